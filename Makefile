@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine (see README): `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+EXTRAS ?= builder,ort,compare,test
+DEMO_TEXT ?= Hello! This is Higgs Audio on a tiny random checkpoint.
+
+.PHONY: demo test install clean
+
+install: $(VENV)/.installed
+
+# torch==2.13.0 first: where a CPU wheel of it is on local disk pip takes that one, else PyPI's.
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+demo: install
+	$(BIN)/higgs-trt tiny-checkpoint out/tiny-checkpoint
+	$(BIN)/higgs-trt run --checkpoint out/tiny-checkpoint --backend torch --text "$(DEMO_TEXT)" --out out/demo.wav
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,154 @@
+"""The bundled codec's decoder (higgs-audio-v2-tokenizer), fp32: codes [B,8,T] → waveform [B,1,960·T].
+
+RVQ: Σ_i project_out_i(codebook_i[codes_i]) → fc2 → DAC decoder (conv1, 5 upsampling blocks of Snake +
+ConvTranspose(k=2s, stride s, padding ceil(s/2), output_padding s%2) + 3 dilated residual units, Snake, conv2;
+no tanh). The checkpoint carries no codec config, so every dimension is read off the tensors' shapes under
+`tied.embedding.modality_embeddings.0.model.`; encoder-side tensors are never read.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from higgs_trt.runtime.errors import HiggsError
+
+from .checkpoint import Checkpoint
+
+PREFIX = "tied.embedding.modality_embeddings.0.model."
+DILATIONS = (1, 3, 9)
+
+
+@dataclass(frozen=True)
+class CodecDims:
+    num_quantizers: int
+    codebook_size: int
+    codebook_dim: int
+    latent_dim: int  # RVQ output (acoustic + semantic hidden)
+    acoustic_dim: int  # fc2 output, the DAC decoder's input
+    channels: tuple[int, ...]  # decoder channels: conv1 output, then after each block
+    strides: tuple[int, ...]
+
+    @property
+    def hop(self) -> int:
+        return math.prod(self.strides)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> "CodecDims":
+        def shape(suffix: str) -> tuple[int, ...]:
+            if PREFIX + suffix not in ckpt:
+                raise HiggsError(f"{ckpt.dir}: codec tensor {PREFIX + suffix} not found")
+            return ckpt.shape(PREFIX + suffix)
+
+        def count(pattern: str) -> int:
+            found = {int(m.group(1)) for n in ckpt.names() if (m := re.fullmatch(PREFIX + pattern, n))}
+            return max(found) + 1 if found else 0
+
+        n_q = count(r"quantizer\.quantizers\.(\d+)\.codebook\.embed")
+        n_blocks = count(r"acoustic_decoder\.block\.(\d+)\.conv_t1\.weight")
+        if n_q == 0 or n_blocks == 0:
+            raise HiggsError(f"{ckpt.dir}: no codec decoder under {PREFIX} (quantizers: {n_q}, decoder blocks: {n_blocks})")
+        size, dim = shape("quantizer.quantizers.0.codebook.embed")
+        latent = shape("quantizer.quantizers.0.project_out.weight")[0]
+        acoustic = shape("fc2.weight")[0]
+        channels, strides = [shape("acoustic_decoder.conv1.weight")[0]], []
+        for b in range(n_blocks):
+            c_in, c_out, kernel = shape(f"acoustic_decoder.block.{b}.conv_t1.weight")
+            if kernel % 2:
+                raise HiggsError(f"{ckpt.dir}: codec block {b} has an odd transposed-conv kernel {kernel} (expected 2×stride)")
+            channels.append(c_out)
+            strides.append(kernel // 2)
+        return cls(n_q, size, dim, latent, acoustic, tuple(channels), tuple(strides))
+
+
+class Snake(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.empty(1, channels, 1), requires_grad=False)
+
+    def forward(self, x):
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, channels: int, dilation: int):
+        super().__init__()
+        self.snake1 = Snake(channels)
+        self.conv1 = nn.Conv1d(channels, channels, kernel_size=7, dilation=dilation, padding=3 * dilation)
+        self.snake2 = Snake(channels)
+        self.conv2 = nn.Conv1d(channels, channels, kernel_size=1)
+
+    def forward(self, x):
+        return x + self.conv2(self.snake2(self.conv1(self.snake1(x))))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.snake1 = Snake(c_in)
+        self.conv_t1 = nn.ConvTranspose1d(c_in, c_out, kernel_size=2 * stride, stride=stride,
+                                          padding=math.ceil(stride / 2), output_padding=stride % 2)
+        self.res_unit1, self.res_unit2, self.res_unit3 = (ResidualUnit(c_out, d) for d in DILATIONS)
+
+    def forward(self, x):
+        x = self.conv_t1(self.snake1(x))
+        return self.res_unit3(self.res_unit2(self.res_unit1(x)))
+
+
+class Codebook(nn.Module):
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.register_buffer("embed", torch.empty(size, dim))
+
+
+class Quantizer(nn.Module):
+    def __init__(self, dims: CodecDims):
+        super().__init__()
+        self.codebook = Codebook(dims.codebook_size, dims.codebook_dim)
+        self.project_out = nn.Linear(dims.codebook_dim, dims.latent_dim)
+
+
+class AcousticDecoder(nn.Module):
+    def __init__(self, dims: CodecDims):
+        super().__init__()
+        self.conv1 = nn.Conv1d(dims.acoustic_dim, dims.channels[0], kernel_size=7, padding=3)
+        self.block = nn.ModuleList(DecoderBlock(dims.channels[i], dims.channels[i + 1], s) for i, s in enumerate(dims.strides))
+        self.snake1 = Snake(dims.channels[-1])
+        self.conv2 = nn.Conv1d(dims.channels[-1], 1, kernel_size=7, padding=3)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        for block in self.block:
+            x = block(x)
+        return self.conv2(self.snake1(x))
+
+
+class CodecDecoder(nn.Module):
+    def __init__(self, dims: CodecDims):
+        super().__init__()
+        self.dims = dims
+        self.quantizer = nn.Module()
+        self.quantizer.quantizers = nn.ModuleList(Quantizer(dims) for _ in range(dims.num_quantizers))
+        self.fc2 = nn.Linear(dims.latent_dim, dims.acoustic_dim)
+        self.acoustic_decoder = AcousticDecoder(dims)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> "CodecDecoder":
+        dims = CodecDims.from_checkpoint(ckpt)
+        with torch.device("meta"):
+            model = cls(dims)
+        expected = {PREFIX + n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+        weights = ckpt.take(expected, "codec decoder")
+        model.load_state_dict({n[len(PREFIX):]: t.float() for n, t in weights.items()}, assign=True)
+        return model.eval()
+
+    def forward(self, codes):
+        """codes [B, Q, T] int (0..1023) → waveform [B, 1, hop·T] fp32."""
+        latent = 0
+        for i, q in enumerate(self.quantizer.quantizers):
+            latent = latent + q.project_out(F.embedding(codes[:, i], q.codebook.embed))
+        z = self.fc2(latent).transpose(1, 2)
+        return self.acoustic_decoder(z)

@@ -1,0 +1,160 @@
+"""A deterministic random checkpoint in the real Higgs v3 layout, small enough for CI.
+
+Real file names (`config.json`, sharded `model.safetensors.index.json`, `tokenizer.json`), real config keys,
+real tensor names (including a few the model must ignore: a stored text head, codec encoder and semantic-model
+tensors, quantizer `project_in`/`embed_avg`), and a byte-level BPE tokenizer that carries the Higgs special
+tokens at ids unlike the real ones, so nothing can rely on hard-coded ids.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .codec import PREFIX as CODEC
+
+TEXT_CONFIG = {
+    "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": None, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "max_position_embeddings": 32768, "tie_word_embeddings": True, "attention_bias": False,
+    "attention_dropout": 0.0, "torch_dtype": "bfloat16",
+}
+AUDIO_CONFIG = {"encoder_type": "discrete", "num_codebooks": 8, "vocab_size": 1026, "out_dim": 64,
+                "tie_word_embeddings": True, "use_delay_pattern": True}
+CODEC_LATENT, CODEC_ACOUSTIC, CODEBOOK_DIM = 32, 16, 8
+CODEC_CHANNELS, CODEC_STRIDES = (64, 32, 16, 8, 4, 2), (8, 5, 4, 2, 3)
+HIGGS_SPECIALS = ["<|tts|>", "<|audio|>", "<|audio_end|>", "<|text|>", "<|text_end|>", "<|eoc|>",
+                  "<|ref_audio|>", "<|ref_text|>", "<|emotion:elation|>", "<|prosody:pause|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
+    "Four score and seven years ago our fathers brought forth on this continent a new nation.",
+    "It was 3:45 pm on March 14, 2026, and the temperature was 21.5 degrees.",
+    "Can you call me back at 555-0123? Thanks!", "She sells sea shells by the sea shore.",
+    "Numbers: one, two, three, 4, 5, 6, 1000, 2,500.75; percentages 12% and 99.9%.",
+    "Wait... what? No way! That's incredible.", "Text to speech turns written words into spoken audio.",
+    "A journey of a thousand miles begins with a single step.",
+]
+
+
+def build_tokenizer(path: Path) -> int:
+    """Write tokenizer.json; returns the vocabulary size including special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_special_tokens(HIGGS_SPECIALS)
+    tok.save(str(path))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def _config(text_vocab: int) -> dict:
+    return {
+        "model_type": "higgs_multimodal_qwen3",
+        "architectures": ["HiggsMultimodalQwen3ForConditionalGeneration"],
+        "audio_token_id": -100,
+        "mel_per_sample": 8,
+        "text_config": {**TEXT_CONFIG, "vocab_size": text_vocab, "eos_token_id": 0},
+        "audio_encoder_config": AUDIO_CONFIG,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _lm_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    t = cfg["text_config"]
+    h, inter, d = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    q, kv = t["num_attention_heads"] * d, t["num_key_value_heads"] * d
+    shapes = {"body.norm.weight": (h,), "tied.embedding.text_embedding.weight": (t["vocab_size"], h),
+              "tied.embedding.modality_embeddings.0.embedding.weight": (8 * 1026, h),
+              "tied.head.text_head.weight": (t["vocab_size"], h)}  # stored but unused: TTS needs no text head
+    for i in range(t["num_hidden_layers"]):
+        p = f"body.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                   p + "mlp.down_proj.weight": (h, inter)}
+    return shapes
+
+
+def _codec_shapes() -> dict[str, tuple[int, ...]]:
+    shapes = {"fc2.weight": (CODEC_ACOUSTIC, CODEC_LATENT), "fc2.bias": (CODEC_ACOUSTIC,),
+              # encoder side, never read by the decoder:
+              "fc.weight": (CODEC_LATENT, CODEC_LATENT), "fc1.weight": (16, CODEC_LATENT),
+              "acoustic_encoder.conv1.weight": (4, 1, 7), "semantic_model.feature_projection.projection.weight": (16, 8),
+              "semantic_model.encoder.pos_conv_embed.conv.parametrizations.weight.original0": (1, 1, 4)}
+    for i in range(8):
+        p = f"quantizer.quantizers.{i}."
+        shapes |= {p + "codebook.embed": (1024, CODEBOOK_DIM), p + "codebook.embed_avg": (1024, CODEBOOK_DIM),
+                   p + "codebook.cluster_size": (1024,), p + "codebook.inited": (1,),
+                   p + "project_out.weight": (CODEC_LATENT, CODEBOOK_DIM), p + "project_out.bias": (CODEC_LATENT,),
+                   p + "project_in.weight": (CODEBOOK_DIM, CODEC_LATENT), p + "project_in.bias": (CODEBOOK_DIM,)}
+    c = CODEC_CHANNELS
+    d = "acoustic_decoder."
+    shapes |= {d + "conv1.weight": (c[0], CODEC_ACOUSTIC, 7), d + "conv1.bias": (c[0],),
+               d + "snake1.alpha": (1, c[-1], 1), d + "conv2.weight": (1, c[-1], 7), d + "conv2.bias": (1,)}
+    for b, s in enumerate(CODEC_STRIDES):
+        p = f"{d}block.{b}."
+        shapes |= {p + "snake1.alpha": (1, c[b], 1), p + "conv_t1.weight": (c[b], c[b + 1], 2 * s),
+                   p + "conv_t1.bias": (c[b + 1],)}
+        for r in (1, 2, 3):
+            u = f"{p}res_unit{r}."
+            shapes |= {u + "snake1.alpha": (1, c[b + 1], 1), u + "conv1.weight": (c[b + 1], c[b + 1], 7),
+                       u + "conv1.bias": (c[b + 1],), u + "snake2.alpha": (1, c[b + 1], 1),
+                       u + "conv2.weight": (c[b + 1], c[b + 1], 1), u + "conv2.bias": (c[b + 1],)}
+    return {CODEC + n: s for n, s in shapes.items()}
+
+
+def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Scales that keep activations O(1) and give the logits wide margins (few near-ties for greedy parity)."""
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(".alpha"):
+        return 0.5 + torch.rand(shape, generator=gen)
+    if name.endswith("modality_embeddings.0.embedding.weight"):
+        return 0.5 * torch.randn(shape, generator=gen)  # also the head: logits of std ≈ 4
+    if name.endswith(("embedding.weight", "codebook.embed", "text_head.weight")):
+        return torch.randn(shape, generator=gen)
+    if name.endswith(".bias") or len(shape) < 2:
+        return 0.1 * torch.randn(shape, generator=gen)
+    fan_in = shape[1] * (shape[2] if len(shape) == 3 else 1)
+    if ".conv_t1." in name:
+        fan_in = shape[0] * shape[2] // 2  # a transposed conv's input fan is Cin·k/stride
+    gain = 1.0
+    if "res_unit" in name and name.endswith("conv2.weight"):
+        gain = 0.25  # residual branches small, so the signal does not grow block after block
+    elif name.endswith("acoustic_decoder.conv2.weight"):
+        gain = 0.05  # a waveform of moderate loudness
+    return gain * torch.randn(shape, generator=gen) / fan_in ** 0.5
+
+
+def write_tiny_checkpoint(out: Path, seed: int = 0, shards: int = 2) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _config(-(-build_tokenizer(out / "tokenizer.json") // 64) * 64)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _lm_shapes(cfg) | _codec_shapes()
+    tensors = {n: _random(n, s, gen).to(torch.bfloat16) for n, s in sorted(shapes.items())}
+
+    if shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(out / file), metadata={"format": "pt"})
+        weight_map |= {n: file for n in part}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out

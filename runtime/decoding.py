@@ -1,0 +1,155 @@
+"""Decode semantics shared by every backend: delay pattern, delay mask, stopping rules, sanitising, sampling.
+
+Vocabulary of one codebook: codes 0..1023, BOC 1024 (stream begin), EOC 1025 (stream end).
+One decode step emits one *row* of 8 codes. Codebook k lags k rows behind codebook 0 (MusicGen delay
+[0..7]), so frame t of audio is (row[t][0], row[t+1][1], ..., row[t+7][7]).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NUM_CODEBOOKS = 8
+CODEBOOK_SIZE = 1024
+BOC = 1024
+EOC = 1025
+AUDIO_VOCAB = 1026
+
+REPEAT_GUARD_ROWS = 32  # this many identical rows in a row end the utterance
+HARD_CAP_ROWS = 2048  # ≈ 82 s of audio whatever the text
+FRAMES_PER_SECOND = 25
+
+
+# ---- delay pattern --------------------------------------------------------------------------------------------
+
+def apply_delay(frames: np.ndarray) -> np.ndarray:
+    """Frames [T, K] → delayed rows [T+K-1, K]: BOC above each codebook's start, EOC after its end."""
+    t, k = frames.shape
+    rows = np.full((t + k - 1, k), BOC, dtype=np.int32)
+    for cb in range(k):
+        rows[cb:cb + t, cb] = frames[:, cb]
+        rows[cb + t:, cb] = EOC
+    return rows
+
+
+def revert_delay(rows: np.ndarray) -> np.ndarray:
+    """Delayed rows [L, K] → frames [L-K+1, K] with frame[t][k] = row[t+k][k] (empty when L < K)."""
+    n, k = rows.shape
+    t = max(n - k + 1, 0)
+    frames = np.empty((t, k), dtype=rows.dtype)
+    for cb in range(k):
+        frames[:, cb] = rows[cb:cb + t, cb]
+    return frames
+
+
+def delay_mask(codes: np.ndarray, row: np.ndarray, end_frame: np.ndarray) -> np.ndarray:
+    """Force the codes of row `row` [B] that the delay pattern fixes, whatever the model chose.
+
+    Codebook k is BOC before row k (ramp-up) and EOC once its frame (row - k) is at or past the utterance's
+    end frame (ramp-down, as in the training layout). `end_frame` is a huge number while the end is unknown.
+    The decode graphs compute exactly this; the runtime uses it after host-side sampling.
+    """
+    k = np.arange(codes.shape[-1])
+    row = np.asarray(row)[:, None]
+    end = np.asarray(end_frame)[:, None]
+    out = np.where(row < k, BOC, codes)
+    return np.where(row - k >= end, EOC, out).astype(np.int32)
+
+
+def sanitize(frames: np.ndarray) -> np.ndarray:
+    """Special codes (BOC, EOC, anything outside 0..1023) → 0. Never clamp: 1025→1023 is a real, wrong code."""
+    return np.where((frames >= 0) & (frames < CODEBOOK_SIZE), frames, 0).astype(np.int32)
+
+
+# ---- stopping -------------------------------------------------------------------------------------------------
+
+def row_cap(text_chars: int, hard_cap: int = HARD_CAP_ROWS) -> int:
+    """Most rows one utterance may take: 3 s plus 1 s per 4 characters of text (slower than any speech)."""
+    seconds = 3 + -(-max(text_chars, 0) // 4)
+    return min(hard_cap, NUM_CODEBOOKS - 1 + FRAMES_PER_SECOND * seconds)
+
+
+@dataclass
+class Utterance:
+    """The rows of one utterance and the rules that end it.
+
+    - EOC on codebook 0 at row j ends the audio at frame j (frames before it are kept).
+    - After the ramp-up (row ≥ 8), EOC on codebook k at row j ends it at frame j - k.
+    - The earliest end seen wins; decoding continues until every kept frame is complete (end + 7 rows).
+    - 32 identical rows in a row, or `max_rows` rows, also stop it (keeping the complete frames).
+    """
+
+    max_rows: int
+    rows: list = field(default_factory=list)
+    end_frame: int | None = None
+    stop_reason: str | None = None
+    _repeats: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    def push(self, row: np.ndarray) -> None:
+        assert not self.done, "push after the utterance ended"
+        j = len(self.rows)
+        row = np.asarray(row, dtype=np.int32)
+        for k in np.flatnonzero(row == EOC):
+            if (k == 0 or j >= NUM_CODEBOOKS) and j - k >= 0:
+                self.end_frame = j - int(k) if self.end_frame is None else min(self.end_frame, j - int(k))
+        self._repeats = self._repeats + 1 if j and np.array_equal(row, self.rows[-1]) else 1
+        self.rows.append(row)
+        if self.end_frame is not None and len(self.rows) >= self.rows_needed(self.end_frame):
+            self.stop_reason = "eoc"
+        elif self._repeats >= REPEAT_GUARD_ROWS:
+            self.stop_reason = "repeat"
+        elif len(self.rows) >= self.max_rows:
+            self.stop_reason = "cap"
+
+    @staticmethod
+    def rows_needed(end_frame: int) -> int:
+        return end_frame + NUM_CODEBOOKS - 1 if end_frame > 0 else 0
+
+    def frames(self) -> np.ndarray:
+        """The utterance's frames [T, 8], de-delayed and sanitised, EOC frame and everything after it dropped."""
+        rows = np.stack(self.rows) if self.rows else np.zeros((0, NUM_CODEBOOKS), np.int32)
+        frames = revert_delay(rows)
+        if self.end_frame is not None:
+            frames = frames[: self.end_frame]
+        return sanitize(frames)
+
+
+# ---- choosing codes -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy (argmax, ties to the lowest index); otherwise seeded sampling per codebook."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0  # 1: no nucleus cut
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def choose_codes(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
+    """logits [K, V] of one row → codes [K]. Draws exactly K uniforms per call when sampling (reproducible)."""
+    if sampling.greedy:
+        return np.argmax(logits, axis=-1).astype(np.int32)
+    scaled = logits.astype(np.float64) / sampling.temperature
+    order = np.argsort(-scaled, axis=-1, kind="stable")
+    ranked = np.take_along_axis(scaled, order, axis=-1)
+    probs = np.exp(ranked - ranked[:, :1])
+    if sampling.top_k > 0:
+        probs[:, sampling.top_k:] = 0.0
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if sampling.top_p < 1.0:
+        before = np.cumsum(probs, axis=-1) - probs  # mass of the strictly better codes
+        probs[before >= sampling.top_p] = 0.0  # the best code always survives (its `before` is 0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    cdf = np.cumsum(probs, axis=-1)
+    u = rng.random(logits.shape[0]) * cdf[:, -1]
+    pick = np.minimum((cdf <= u[:, None]).sum(axis=-1), logits.shape[-1] - 1)
+    return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(np.int32)

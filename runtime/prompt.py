@@ -1,0 +1,106 @@
+"""Tokenizer and prompt layouts.
+
+zero-shot:  <|tts|> <|text|> text <|audio|>
+clone:      <|tts|> [<|ref_text|> ref_text] <|ref_audio|> ref_rows×(T+7) <|text|> text <|audio|>
+
+Special ids always come from the tokenizer's added vocabulary, never from constants. Reference-audio positions
+carry a delayed row of codes each (`is_audio`); their token id is 0, a valid id the graph ignores there.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .decoding import CODEBOOK_SIZE, NUM_CODEBOOKS, apply_delay
+from .errors import HiggsError
+
+TTS, TEXT, AUDIO, REF_TEXT, REF_AUDIO = "<|tts|>", "<|text|>", "<|audio|>", "<|ref_text|>", "<|ref_audio|>"
+REQUIRED_SPECIALS = (TTS, TEXT, AUDIO)
+CONTROL_TAG = re.compile(r"<\|[^<>|\s]+\|>")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    input_ids: np.ndarray  # [P] int32
+    audio_rows: np.ndarray  # [P, 8] int32, delayed reference rows where is_audio
+    is_audio: np.ndarray  # [P] bool
+    text_chars: int  # length of the target text, for the row cap
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class HiggsTokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own exception types for missing or malformed files
+            raise HiggsError(f"{path}: cannot load tokenizer ({e})") from None
+        self.specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+        missing = [s for s in REQUIRED_SPECIALS if s not in self.specials]
+        if missing:
+            raise HiggsError(f"{path}: tokenizer lacks the Higgs special token(s) {', '.join(missing)}")
+        self.unk_id = self._tok.token_to_id(self._tok.model.unk_token) if getattr(self._tok.model, "unk_token", None) else None
+
+    def special(self, token: str) -> int:
+        if token not in self.specials:
+            raise HiggsError(f"the tokenizer has no {token} token (an older checkpoint?)")
+        return self.specials[token]
+
+    def encode(self, text: str, what: str = "text") -> list[int]:
+        if not text or not text.strip():
+            raise HiggsError(f"{what} is empty")
+        unknown = sorted({tag for tag in CONTROL_TAG.findall(text) if tag not in self.specials})
+        if unknown:
+            raise HiggsError(f"{what} uses unknown control tag(s) {', '.join(unknown)}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.unk_id is not None and self.unk_id in ids:
+            raise HiggsError(f"{what} contains characters the tokenizer cannot encode")
+        return ids
+
+
+def load_reference_codes(path: Path) -> np.ndarray:
+    """Reference audio codes [T, 8] (0..1023) from a .npy file."""
+    try:
+        codes = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise HiggsError(f"{path}: cannot read reference codes ({e})") from None
+    if codes.ndim != 2 or codes.shape[1] != NUM_CODEBOOKS or codes.shape[0] == 0:
+        raise HiggsError(f"{path}: reference codes must have shape [T, {NUM_CODEBOOKS}] with T ≥ 1, got {list(codes.shape)}")
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise HiggsError(f"{path}: reference codes must be integers, got {codes.dtype}")
+    if codes.min() < 0 or codes.max() >= CODEBOOK_SIZE:
+        raise HiggsError(f"{path}: reference codes must lie in 0..{CODEBOOK_SIZE - 1}")
+    return codes.astype(np.int32)
+
+
+def build_prompt(tok: HiggsTokenizer, text: str, ref_codes: np.ndarray | None = None,
+                 ref_text: str | None = None) -> Prompt:
+    ids: list[int] = [tok.special(TTS)]
+    rows: list[np.ndarray | None] = [None]
+
+    def add_tokens(new: list[int]) -> None:
+        ids.extend(new)
+        rows.extend([None] * len(new))
+
+    if ref_text is not None:
+        if ref_codes is None:
+            raise HiggsError("a reference transcript needs reference audio codes too")
+        add_tokens([tok.special(REF_TEXT), *tok.encode(ref_text, "reference text")])
+    if ref_codes is not None:
+        add_tokens([tok.special(REF_AUDIO)])
+        for row in apply_delay(ref_codes):
+            ids.append(0)
+            rows.append(row)
+    add_tokens([tok.special(TEXT), *tok.encode(text), tok.special(AUDIO)])
+
+    is_audio = np.array([r is not None for r in rows], dtype=bool)
+    audio_rows = np.zeros((len(ids), NUM_CODEBOOKS), dtype=np.int32)
+    for i, r in enumerate(rows):
+        if r is not None:
+            audio_rows[i] = r
+    return Prompt(np.asarray(ids, dtype=np.int32), audio_rows, is_audio, len(text))

@@ -1,0 +1,107 @@
+"""The main job end to end through the console script, and bad inputs: one line, exit ≠ 0, no partial files."""
+
+import json
+import subprocess
+import sys
+import wave
+
+import numpy as np
+from click.testing import CliRunner
+
+from higgs_trt.runtime.cli import main
+
+
+def higgs(*args):
+    """The real console entry point in a subprocess: exit code and stderr exactly as a user sees them."""
+    return subprocess.run([sys.executable, "-m", "higgs_trt.runtime.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def higgs_in_process(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def test_tiny_checkpoint_then_torch_run_writes_a_wav(tiny_ckpt, tmp_path):
+    out, codes = tmp_path / "out.wav", tmp_path / "codes.npy"
+    r = higgs("run", "--checkpoint", tiny_ckpt, "--backend", "torch", "--text", "Hello world.", "--out", out,
+              "--codes-out", codes, "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    frames = np.load(codes)
+    assert frames.ndim == 2 and frames.shape[1] == 8 and len(frames) > 0
+    assert frames.min() >= 0 and frames.max() <= 1023
+    with wave.open(str(out)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        assert w.getnframes() == 960 * len(frames)
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_seeded_sampling_is_reproducible(tiny_ckpt, tmp_path):
+    runs = [higgs("run", "--checkpoint", tiny_ckpt, "--text", "Numbers 1 2 3.", "--out", tmp_path / f"{i}.wav",
+                  "--codes-out", tmp_path / f"{i}.npy", "--seed", seed, "--temperature", "1.0", "--top-k", "50")
+            for i, seed in enumerate([7, 7, 8])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    a, b, c = (np.load(tmp_path / f"{i}.npy") for i in range(3))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def bad(tmp_path, *args, message):
+    out = tmp_path / "out.wav"
+    r = higgs_in_process("run", "--text", "Hello.", "--out", out, *args)
+    assert r.exit_code != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))
+
+
+def test_missing_tensor(tiny_copy, tmp_path):
+    index = tiny_copy / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    from safetensors.torch import load_file, save_file
+    file = tiny_copy / raw["weight_map"]["body.norm.weight"]
+    tensors = load_file(file)
+    del tensors["body.norm.weight"]
+    save_file(tensors, file)
+    bad(tmp_path, "--checkpoint", tiny_copy, message="missing 1 tensor(s): body.norm.weight")
+
+
+def test_bad_config(tiny_copy, tmp_path):
+    (tiny_copy / "config.json").write_text("{")
+    bad(tmp_path, "--checkpoint", tiny_copy, message="config.json: unreadable")
+
+
+def test_missing_special_token(tiny_copy, tmp_path):
+    path = tiny_copy / "tokenizer.json"
+    raw = json.loads(path.read_text())
+    raw["added_tokens"] = [t for t in raw["added_tokens"] if t["content"] != "<|tts|>"]
+    path.write_text(json.dumps(raw))
+    bad(tmp_path, "--checkpoint", tiny_copy, message="<|tts|>")
+
+
+def test_empty_text(tiny_ckpt, tmp_path):
+    r = higgs("run", "--checkpoint", tiny_ckpt, "--text", "  ", "--out", tmp_path / "out.wav")
+    assert r.returncode == 1 and r.stderr.strip() == "Error: text is empty" and not (tmp_path / "out.wav").exists()
+
+
+def test_unwritable_output(tiny_ckpt, tmp_path):
+    r = higgs_in_process("run", "--checkpoint", tiny_ckpt, "--text", "Hi.", "--out", tmp_path / "no" / "such.wav")
+    assert r.exit_code != 0 and "does not exist" in r.stderr
+
+
+def test_over_long_text(tiny_ckpt, tmp_path):
+    bad(tmp_path, "--checkpoint", tiny_ckpt, "--max-seq", "32", "--text", "word " * 40, message="text too long")
+
+
+def test_not_a_checkpoint(tmp_path):
+    bad(tmp_path, "--checkpoint", tmp_path / "nowhere", message="checkpoint directory not found")
+
+
+def test_bad_reference_codes(tiny_ckpt, tmp_path):
+    np.save(tmp_path / "ref.npy", np.full((5, 8), 4000))
+    bad(tmp_path, "--checkpoint", tiny_ckpt, "--ref-codes", tmp_path / "ref.npy", message="0..1023")
+
+
+def test_help_lists_commands():
+    r = higgs_in_process("--help")
+    assert r.exit_code == 0 and "run" in r.stdout and "tiny-checkpoint" in r.stdout
