@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(BIN)/higgs-trt tiny-checkpoint out/tiny-checkpoint
-	$(BIN)/higgs-trt run --checkpoint out/tiny-checkpoint --backend torch --text "$(DEMO_TEXT)" --out out/demo.wav
+	$(BIN)/higgs-trt export --checkpoint out/tiny-checkpoint --out engines/tiny --max-seq 512 --max-prompt 256
+	$(BIN)/higgs-trt run --engine engines/tiny --text "$(DEMO_TEXT)" --out out/demo.wav
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -60,10 +60,10 @@ class Checkpoint:
         self._where: dict[str, Path] = {}
         self._info: dict[str, dict] = {}
         for path in self.files:
-            header, _ = read_safetensors_header(path)
+            header, data_start = read_safetensors_header(path)
             for name, info in header.items():
                 self._where[name] = path
-                self._info[name] = info
+                self._info[name] = {**info, "data_start": data_start}
         self._handles: dict[Path, object] = {}
 
     def _shard_files(self) -> list[Path]:
@@ -90,6 +90,18 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._info[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        """safetensors dtype string, e.g. 'BF16'."""
+        return self._info[name]["dtype"]
+
+    def raw_bytes(self, name: str) -> bytes:
+        """The tensor's bytes as stored, read with plain file I/O (no mapping stays resident)."""
+        info = self._info[name]
+        begin, end = info["data_offsets"]
+        with open(self._where[name], "rb") as f:
+            f.seek(info["data_start"] + begin)
+            return f.read(end - begin)
 
     def tensor(self, name: str) -> torch.Tensor:
         path = self._where[name]

@@ -29,7 +29,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=torch.bfloat16), requires_grad=False)
 
     def forward(self, x):
-        return F.linear(x, self.weight.to(x.dtype))
+        # As a 2-D product the export is Gemm(x, W, transB=1) on the checkpoint's own tensor (no transposed copy).
+        y = F.linear(x.reshape(-1, x.shape[-1]), self.weight.to(x.dtype))
+        return y.reshape(*x.shape[:-1], -1)
 
 
 class RMSNorm(nn.Module):

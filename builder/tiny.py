@@ -1,4 +1,4 @@
-"""A deterministic random checkpoint in the real Higgs v3 layout, small enough for CI.
+"""Deterministic random checkpoints in the real Higgs v3 layout: `tiny` for CI, `mid` and `real` for benchmarks.
 
 Real file names (`config.json`, sharded `model.safetensors.index.json`, `tokenizer.json`), real config keys,
 real tensor names (including a few the model must ignore: a stored text head, codec encoder and semantic-model
@@ -7,6 +7,7 @@ tokens at ids unlike the real ones, so nothing can rely on hard-coded ids.
 """
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -15,16 +16,21 @@ from safetensors.torch import save_file
 from .codec import PREFIX as CODEC
 
 TEXT_CONFIG = {
-    "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "hidden_act": "silu",
-    "rms_norm_eps": 1e-6, "rope_theta": None, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-    "max_position_embeddings": 32768, "tie_word_embeddings": True, "attention_bias": False,
-    "attention_dropout": 0.0, "torch_dtype": "bfloat16",
+    "model_type": "qwen3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": None,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "max_position_embeddings": 32768,
+    "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16",
 }
-AUDIO_CONFIG = {"encoder_type": "discrete", "num_codebooks": 8, "vocab_size": 1026, "out_dim": 64,
-                "tie_word_embeddings": True, "use_delay_pattern": True}
-CODEC_LATENT, CODEC_ACOUSTIC, CODEBOOK_DIM = 32, 16, 8
-CODEC_CHANNELS, CODEC_STRIDES = (64, 32, 16, 8, 4, 2), (8, 5, 4, 2, 3)
+REAL_CODEC = {"latent": 1024, "acoustic": 256, "codebook_dim": 64, "channels": (1024, 512, 256, 128, 64, 32)}
+SIZES = {  # text_config dimensions (vocab None: the tokenizer's size) and codec decoder dimensions
+    "tiny": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "intermediate_size": 128, "vocab_size": None},
+             {"latent": 32, "acoustic": 16, "codebook_dim": 8, "channels": (64, 32, 16, 8, 4, 2)}),
+    "mid": ({"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 32768}, REAL_CODEC),
+    "real": ({"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936}, REAL_CODEC),
+}
+CODEC_STRIDES = (8, 5, 4, 2, 3)
 HIGGS_SPECIALS = ["<|tts|>", "<|audio|>", "<|audio_end|>", "<|text|>", "<|text_end|>", "<|eoc|>",
                   "<|ref_audio|>", "<|ref_text|>", "<|emotion:elation|>", "<|prosody:pause|>"]
 CORPUS = [
@@ -53,14 +59,17 @@ def build_tokenizer(path: Path) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def _config(text_vocab: int) -> dict:
+def _config(text: dict, tokenizer_vocab: int) -> dict:
+    vocab = text["vocab_size"] or -(-tokenizer_vocab // 64) * 64
+    audio = {"encoder_type": "discrete", "num_codebooks": 8, "vocab_size": 1026, "out_dim": text["hidden_size"],
+             "tie_word_embeddings": True, "use_delay_pattern": True}
     return {
         "model_type": "higgs_multimodal_qwen3",
         "architectures": ["HiggsMultimodalQwen3ForConditionalGeneration"],
         "audio_token_id": -100,
         "mel_per_sample": 8,
-        "text_config": {**TEXT_CONFIG, "vocab_size": text_vocab, "eos_token_id": 0},
-        "audio_encoder_config": AUDIO_CONFIG,
+        "text_config": {**TEXT_CONFIG, **text, "vocab_size": vocab, "eos_token_id": 0},
+        "audio_encoder_config": audio,
         "torch_dtype": "bfloat16",
     }
 
@@ -83,21 +92,21 @@ def _lm_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _codec_shapes() -> dict[str, tuple[int, ...]]:
-    shapes = {"fc2.weight": (CODEC_ACOUSTIC, CODEC_LATENT), "fc2.bias": (CODEC_ACOUSTIC,),
+def _codec_shapes(codec: dict) -> dict[str, tuple[int, ...]]:
+    latent, acoustic, dim, c = codec["latent"], codec["acoustic"], codec["codebook_dim"], codec["channels"]
+    shapes = {"fc2.weight": (acoustic, latent), "fc2.bias": (acoustic,),
               # encoder side, never read by the decoder:
-              "fc.weight": (CODEC_LATENT, CODEC_LATENT), "fc1.weight": (16, CODEC_LATENT),
+              "fc.weight": (latent, latent), "fc1.weight": (16, latent),
               "acoustic_encoder.conv1.weight": (4, 1, 7), "semantic_model.feature_projection.projection.weight": (16, 8),
               "semantic_model.encoder.pos_conv_embed.conv.parametrizations.weight.original0": (1, 1, 4)}
     for i in range(8):
         p = f"quantizer.quantizers.{i}."
-        shapes |= {p + "codebook.embed": (1024, CODEBOOK_DIM), p + "codebook.embed_avg": (1024, CODEBOOK_DIM),
+        shapes |= {p + "codebook.embed": (1024, dim), p + "codebook.embed_avg": (1024, dim),
                    p + "codebook.cluster_size": (1024,), p + "codebook.inited": (1,),
-                   p + "project_out.weight": (CODEC_LATENT, CODEBOOK_DIM), p + "project_out.bias": (CODEC_LATENT,),
-                   p + "project_in.weight": (CODEBOOK_DIM, CODEC_LATENT), p + "project_in.bias": (CODEBOOK_DIM,)}
-    c = CODEC_CHANNELS
+                   p + "project_out.weight": (latent, dim), p + "project_out.bias": (latent,),
+                   p + "project_in.weight": (dim, latent), p + "project_in.bias": (dim,)}
     d = "acoustic_decoder."
-    shapes |= {d + "conv1.weight": (c[0], CODEC_ACOUSTIC, 7), d + "conv1.bias": (c[0],),
+    shapes |= {d + "conv1.weight": (c[0], acoustic, 7), d + "conv1.bias": (c[0],),
                d + "snake1.alpha": (1, c[-1], 1), d + "conv2.weight": (1, c[-1], 7), d + "conv2.bias": (1,)}
     for b, s in enumerate(CODEC_STRIDES):
         p = f"{d}block.{b}."
@@ -111,8 +120,14 @@ def _codec_shapes() -> dict[str, tuple[int, ...]]:
     return {CODEC + n: s for n, s in shapes.items()}
 
 
-def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Scales that keep activations O(1) and give the logits wide margins (few near-ties for greedy parity)."""
+def _random(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Scales that keep activations O(1) and give the logits wide margins (few near-ties for greedy parity).
+    Each tensor has its own generator, so values do not depend on how tensors are spread over shards."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return _scaled(name, shape, gen).to(torch.bfloat16)
+
+
+def _scaled(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if name.endswith(("norm.weight", "layernorm.weight")):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(".alpha"):
@@ -134,27 +149,25 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     return gain * torch.randn(shape, generator=gen) / fan_in ** 0.5
 
 
-def write_tiny_checkpoint(out: Path, seed: int = 0, shards: int = 2) -> Path:
+def write_random_checkpoint(out: Path, seed: int = 0, shards: int = 2, size: str = "tiny") -> Path:
+    text, codec = SIZES[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _config(-(-build_tokenizer(out / "tokenizer.json") // 64) * 64)
+    cfg = _config(text, build_tokenizer(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
-    gen = torch.Generator().manual_seed(seed)
-    shapes = _lm_shapes(cfg) | _codec_shapes()
-    tensors = {n: _random(n, s, gen).to(torch.bfloat16) for n, s in sorted(shapes.items())}
-
+    shapes = _lm_shapes(cfg) | _codec_shapes(codec)
+    names = sorted(shapes)
     if shards == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file({n: _random(n, shapes[n], seed) for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
         return out
-    names = sorted(tensors)
     weight_map = {}
-    for i in range(shards):
+    for i in range(shards):  # one shard in memory at a time
         part = names[i::shards]
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(out / file), metadata={"format": "pt"})
+        save_file({n: _random(n, shapes[n], seed) for n in part}, str(out / file), metadata={"format": "pt"})
         weight_map |= {n: file for n in part}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(2 * int(torch.Size(s).numel()) for s in shapes.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out

@@ -29,24 +29,51 @@ def say(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _backend(name: str, checkpoint: Path | None, engine: Path | None, max_seq: int):
-    if name == "torch":
-        if checkpoint is None:
-            raise HiggsError("--backend torch needs --checkpoint")
-        from . import extras
+def _open_checkpoint(path: Path, what: str):
+    from . import extras
 
-        with extras.needed("builder", "--backend torch"):
-            from higgs_trt.builder.torch_backend import TorchBackend
-        return TorchBackend(checkpoint, max_seq=max_seq), checkpoint / "tokenizer.json"
-    raise HiggsError(f"unknown backend {name!r}")
+    with extras.needed("builder", what):
+        from higgs_trt.builder.checkpoint import Checkpoint
+    return Checkpoint(path)
+
+
+def _backend(name: str | None, checkpoint: Path | None, engine_dir: Path | None, max_seq: int, device: str):
+    """(backend, tokenizer.json) for `run`; an engine given with a checkpoint must have been built from it."""
+    from .manifest import EngineDir
+
+    if checkpoint is None and engine_dir is None:
+        raise HiggsError("give --engine DIR (an exported engine directory) or --checkpoint DIR (torch backend)")
+    engine = EngineDir(engine_dir) if engine_dir else None
+    ckpt = _open_checkpoint(checkpoint, f"--checkpoint with --backend {name}") if checkpoint else None
+    if engine and ckpt:
+        engine.check_checkpoint(ckpt.fingerprint(), checkpoint)
+    name = name or ("ort" if engine else "torch")
+    if name == "torch":
+        if ckpt is None:
+            raise HiggsError("--backend torch needs --checkpoint")
+        from higgs_trt.builder.torch_backend import TorchBackend
+
+        return TorchBackend(ckpt, max_seq=max_seq), checkpoint / "tokenizer.json"
+    if engine is None:
+        raise HiggsError(f"--backend {name} needs --engine")
+    from . import extras
+
+    with extras.needed("ort", "--backend ort"):
+        from .ort_backend import OrtBackend
+    return OrtBackend(engine, device), engine.path / "tokenizer.json"
 
 
 @main.command()
 @click.option("--text", required=True, help="Text to speak (inline control tags like <|emotion:elation|> allowed).")
 @click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output wav (24 kHz mono).")
-@click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch backend).")
-@click.option("--backend", type=click.Choice(["torch"]), default="torch", show_default=True,
-              help="torch: the reference model straight from the checkpoint.")
+@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory made by `higgs-trt export`.")
+@click.option("--checkpoint", type=click.Path(path_type=Path),
+              help="Checkpoint directory (torch backend); with --engine, checked to be the engine's source.")
+@click.option("--backend", type=click.Choice(["torch", "ort"]),
+              help="torch: the reference model from --checkpoint; ort: ONNX Runtime on --engine. "
+                   "Default: ort with --engine, else torch.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="ONNX Runtime device (cuda needs onnxruntime-gpu).")
 @click.option("--ref-codes", type=click.Path(path_type=Path), help="Voice clone: reference audio codes [T,8] (.npy).")
 @click.option("--ref-text", help="Voice clone: transcript of the reference audio.")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 is greedy (argmax).")
@@ -55,7 +82,8 @@ def _backend(name: str, checkpoint: Path | None, engine: Path | None, max_seq: i
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed: same seed, same audio.")
 @click.option("--codes-out", type=click.Path(path_type=Path), help="Also save the final frames [T,8] (.npy).")
 @click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache length (torch backend).")
-def run(text, out, checkpoint, backend, ref_codes, ref_text, temperature, top_k, top_p, seed, codes_out, max_seq):
+def run(text, out, engine, checkpoint, backend, device, ref_codes, ref_text, temperature, top_k, top_p, seed, codes_out,
+        max_seq):
     """Speak TEXT into a wav file."""
     from .decoding import Sampling
     from .generate import generate
@@ -70,12 +98,12 @@ def run(text, out, checkpoint, backend, ref_codes, ref_text, temperature, top_k,
     ref = load_reference_codes(ref_codes) if ref_codes else None
 
     t0 = time.perf_counter()
-    engine, tokenizer_path = _backend(backend, checkpoint, None, max_seq)
+    model, tokenizer_path = _backend(backend, checkpoint, engine, max_seq, device)
     prompt = build_prompt(HiggsTokenizer(tokenizer_path), text, ref, ref_text)
-    say(f"loaded {engine.name} backend in {time.perf_counter() - t0:.1f} s; prompt of {len(prompt)} tokens")
+    say(f"loaded {model.name} backend in {time.perf_counter() - t0:.1f} s; prompt of {len(prompt)} tokens")
 
     t0 = time.perf_counter()
-    result = generate(engine, [prompt], Sampling(temperature, top_k, top_p, seed))[0]
+    result = generate(model, [prompt], Sampling(temperature, top_k, top_p, seed))[0]
     seconds = len(result.audio) / SAMPLE_RATE
     say(f"decoded {result.rows} rows in {time.perf_counter() - t0:.1f} s → {len(result.frames)} frames, "
         f"{seconds:.2f} s of audio (stopped by {result.stop_reason})")
@@ -90,18 +118,94 @@ def run(text, out, checkpoint, backend, ref_codes, ref_text, temperature, top_k,
     say(f"wrote {out}" + (f" ({clipped} samples clipped to ±1)" if clipped else ""))
 
 
+@main.group()
+def bench():
+    """Benchmarks that print figures (decode loop, export memory)."""
+
+
+@bench.command("decode")
+@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (ort backend).")
+@click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch backend).")
+@click.option("--backend", type=click.Choice(["torch", "ort"]), help="Default: ort with --engine, else torch.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--text", default="The quick brown fox jumps over the lazy dog, twice, and then once more.",
+              show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True, help="Prompts decoded together.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs (the median run is shown).")
+@click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache length (torch backend).")
+def bench_decode(engine, checkpoint, backend, device, text, batch, repeats, max_seq):
+    """Time the decode loop: ms per row in the engine, host overhead per row, codec time, real-time factor."""
+    from .bench import run_bench
+    from .decoding import Sampling
+    from .prompt import HiggsTokenizer, build_prompt
+
+    model, tokenizer_path = _backend(backend, checkpoint, engine, max_seq, device)
+    prompts = [build_prompt(HiggsTokenizer(tokenizer_path), text)] * batch
+    say(f"{model.name} backend, batch {batch}, prompt of {len(prompts[0])} tokens; median of {repeats} runs")
+    for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
+        click.echo(run_bench(model, prompts, sampling, repeats).line())
+
+
+@bench.command("export")
+@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
+@click.option("--max-seq", type=int, default=2048, show_default=True)
+def bench_export(checkpoint, max_seq):
+    """Peak memory of `export` (a child process) as a multiple of the checkpoint's size on disk."""
+    import resource
+    import subprocess
+    import sys
+    import tempfile
+
+    weights = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors"))
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "higgs_trt.runtime.cli", "export", "--checkpoint", str(checkpoint),
+                            "--out", f"{tmp}/engine", "--max-seq", str(max_seq)], capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if r.returncode:
+            raise HiggsError(f"export failed: {r.stderr.strip().splitlines()[-1]}")
+        engine_bytes = sum(f.stat().st_size for f in Path(tmp, "engine").iterdir())
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    gib = 1 << 30
+    click.echo(f"checkpoint {weights / gib:.3f} GiB  export peak RSS {peak / gib:.3f} GiB = {peak / weights:.2f}x "
+               f"checkpoint  engine dir {engine_bytes / gib:.3f} GiB  {seconds:.1f} s")
+
+
+@main.command()
+@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
+@click.option("--out", type=click.Path(path_type=Path), help="Engine directory [default: engines/<checkpoint name>].")
+@click.option("--ops", type=click.Choice(["native"]), default="native", show_default=True,
+              help="native: RoPE/KV-cache/attention as ONNX RotaryEmbedding/TensorScatter/Attention.")
+@click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache rows (prompt + generated rows).")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the engines take.")
+@click.option("--max-prompt", type=int, default=512, show_default=True, help="Longest prompt (prefill) in tokens.")
+def export(checkpoint, out, ops, max_seq, max_batch, max_prompt):
+    """Export the LM (bf16 + fp32 reference twin) and codec graphs into an engine directory."""
+    from . import extras
+
+    with extras.needed("builder", "export"):
+        from higgs_trt.builder.export import export_engine
+    out = out or Path("engines") / checkpoint.resolve().name
+    say(f"exporting {checkpoint} → {out}")
+    t0 = time.perf_counter()
+    export_engine(checkpoint, out, max_seq, max_batch, max_prompt, say=say)
+    say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+
+
 @main.command("tiny-checkpoint")
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed, same files).")
-@click.option("--shards", type=click.IntRange(1, 8), default=2, show_default=True,
+@click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True,
               help="1: a single model.safetensors; more: sharded with model.safetensors.index.json.")
-def tiny_checkpoint(out_dir, seed, shards):
-    """Write a tiny random checkpoint in the real Higgs v3 layout (for tests and the README demo)."""
+@click.option("--size", type=click.Choice(["tiny", "mid", "real"]), default="tiny", show_default=True,
+              help="tiny: CI-sized; mid: 8 layers, hidden 1024 (~0.3 GB); real: Higgs v3 dimensions (~9 GB).")
+def tiny_checkpoint(out_dir, seed, shards, size):
+    """Write a random checkpoint in the real Higgs v3 layout (tiny by default: for tests and the README demo)."""
     from . import extras
 
     with extras.needed("builder", "tiny-checkpoint"):
-        from higgs_trt.builder.tiny import write_tiny_checkpoint
-    write_tiny_checkpoint(out_dir, seed, shards)
-    say(f"wrote tiny checkpoint to {out_dir}")
+        from higgs_trt.builder.tiny import write_random_checkpoint
+    write_random_checkpoint(out_dir, seed, shards, size)
+    say(f"wrote {size} random checkpoint to {out_dir}")
 if __name__ == "__main__":
     main()

@@ -92,7 +92,7 @@ class Utterance:
     def push(self, row: np.ndarray) -> None:
         assert not self.done, "push after the utterance ended"
         j = len(self.rows)
-        row = np.asarray(row, dtype=np.int32)
+        row = np.array(row, dtype=np.int32)  # a copy: backends may reuse their output buffers
         for k in np.flatnonzero(row == EOC):
             if (k == 0 or j >= NUM_CODEBOOKS) and j - k >= 0:
                 self.end_frame = j - int(k) if self.end_frame is None else min(self.end_frame, j - int(k))
@@ -135,21 +135,26 @@ class Sampling:
 
 
 def choose_codes(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
-    """logits [K, V] of one row → codes [K]. Draws exactly K uniforms per call when sampling (reproducible)."""
+    """logits [K, V] of one row → codes [K]. Draws exactly K uniforms per call when sampling (reproducible).
+
+    Sampling: softmax(logits / T), optionally cut to the top-k (ties with the k-th value kept) and to the
+    smallest set of most likely codes whose mass reaches top-p, then inverse-CDF with one uniform per codebook.
+    """
     if sampling.greedy:
         return np.argmax(logits, axis=-1).astype(np.int32)
-    scaled = logits.astype(np.float64) / sampling.temperature
-    order = np.argsort(-scaled, axis=-1, kind="stable")
-    ranked = np.take_along_axis(scaled, order, axis=-1)
-    probs = np.exp(ranked - ranked[:, :1])
-    if sampling.top_k > 0:
-        probs[:, sampling.top_k:] = 0.0
+    z = logits.astype(np.float64) / sampling.temperature
+    vocab = z.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = np.partition(z, vocab - sampling.top_k, axis=-1)[:, vocab - sampling.top_k, None]
+        z = np.where(z >= kth, z, -np.inf)
+    probs = np.exp(z - z.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
     if sampling.top_p < 1.0:
-        before = np.cumsum(probs, axis=-1) - probs  # mass of the strictly better codes
-        probs[before >= sampling.top_p] = 0.0  # the best code always survives (its `before` is 0)
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        ranked = np.take_along_axis(probs, order, axis=-1)
+        cut = (np.cumsum(ranked, axis=-1) - ranked) >= sampling.top_p  # the best code always survives
+        np.put_along_axis(probs, order, np.where(cut, 0.0, ranked), axis=-1)
         probs /= probs.sum(axis=-1, keepdims=True)
     cdf = np.cumsum(probs, axis=-1)
-    u = rng.random(logits.shape[0]) * cdf[:, -1]
-    pick = np.minimum((cdf <= u[:, None]).sum(axis=-1), logits.shape[-1] - 1)
-    return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(np.int32)
+    u = rng.random(len(cdf)) * cdf[:, -1]
+    return np.minimum((cdf <= u[:, None]).sum(axis=-1), vocab - 1).astype(np.int32)

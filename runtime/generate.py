@@ -32,7 +32,7 @@ class Backend(Protocol):
         """Prepare caches for a new batch of `batch` sequences."""
 
     def lm(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """One graph call; returns (logits [B,8,1026] fp32, codes [B,8] int32)."""
+        """One graph call; returns (logits [B,8,1026] fp32, codes [B,8] int32), valid until the next call."""
 
     def codec(self, codes: np.ndarray) -> np.ndarray:
         """codes [B,8,T] int32 → waveform [B,1,960·T] fp32."""

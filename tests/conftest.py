@@ -7,12 +7,27 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The built-in tiny checkpoint (sharded, as the real one may be). Treat as read-only."""
-    from higgs_trt.builder.tiny import write_tiny_checkpoint
+    from higgs_trt.builder.tiny import write_random_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
 
 
 @pytest.fixture
 def tiny_copy(tiny_ckpt, tmp_path) -> Path:
     """A private copy of the tiny checkpoint that a test may damage."""
     return Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny checkpoint exported with the native op path (small cache to keep ORT fast). Read-only."""
+    from higgs_trt.builder.export import export_engine
+
+    return export_engine(tiny_ckpt, tmp_path_factory.mktemp("engine") / "tiny", max_seq=160, max_batch=4,
+                         max_prompt=96, say=lambda msg: None)
+
+
+@pytest.fixture
+def engine_copy(tiny_engine, tmp_path) -> Path:
+    """A private copy of the tiny engine directory that a test may damage."""
+    return Path(shutil.copytree(tiny_engine, tmp_path / "engine"))

@@ -9,7 +9,7 @@ from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.codec import CodecDecoder
 from higgs_trt.builder.config import parse_config
 from higgs_trt.builder.model import HiggsLM
-from higgs_trt.builder.tiny import write_tiny_checkpoint
+from higgs_trt.builder.tiny import write_random_checkpoint
 from higgs_trt.runtime.errors import HiggsError
 
 
@@ -53,7 +53,7 @@ def test_config_refuses_what_the_model_cannot_be(tiny_ckpt, edit, message):
 
 
 def test_single_file_and_sharded_checkpoints_load_the_same(tiny_ckpt, tmp_path):
-    single = Checkpoint(write_tiny_checkpoint(tmp_path / "single", seed=0, shards=1))
+    single = Checkpoint(write_random_checkpoint(tmp_path / "single", seed=0, shards=1))
     sharded = Checkpoint(tiny_ckpt)
     assert single.files != sharded.files and single.names() == sharded.names()
     a = HiggsLM.from_checkpoint(single, 16).state_dict()
@@ -111,7 +111,7 @@ def test_missing_codec_and_truncated_files(tiny_copy):
 
 
 def test_codec_without_decoder_is_refused(tiny_copy, tmp_path):
-    single = write_tiny_checkpoint(tmp_path / "s", shards=1)
+    single = write_random_checkpoint(tmp_path / "s", shards=1)
     tensors = load_file(single / "model.safetensors")
     save_file({n: t for n, t in tensors.items() if "acoustic_decoder" not in n}, single / "model.safetensors")
     with pytest.raises(HiggsError, match="no codec decoder"):
@@ -120,8 +120,8 @@ def test_codec_without_decoder_is_refused(tiny_copy, tmp_path):
 
 def test_fingerprint_is_stable_and_tells_checkpoints_apart(tiny_ckpt, tmp_path):
     a = Checkpoint(tiny_ckpt).fingerprint()
-    assert a == Checkpoint(write_tiny_checkpoint(tmp_path / "same", seed=0)).fingerprint()
-    assert a != Checkpoint(write_tiny_checkpoint(tmp_path / "other", seed=1)).fingerprint()
+    assert a == Checkpoint(write_random_checkpoint(tmp_path / "same", seed=0)).fingerprint()
+    assert a != Checkpoint(write_random_checkpoint(tmp_path / "other", seed=1)).fingerprint()
     shutil.copytree(tiny_ckpt, tmp_path / "cfg")
     raw = raw_config(tmp_path / "cfg")
     raw["text_config"]["rms_norm_eps"] = 1e-5
@@ -130,6 +130,6 @@ def test_fingerprint_is_stable_and_tells_checkpoints_apart(tiny_ckpt, tmp_path):
 
 
 def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path):
-    again = write_tiny_checkpoint(tmp_path / "again", seed=0)
+    again = write_random_checkpoint(tmp_path / "again", seed=0)
     for f in sorted(p.name for p in tiny_ckpt.iterdir()):
         assert (tiny_ckpt / f).read_bytes() == (again / f).read_bytes(), f

@@ -1,0 +1,220 @@
+"""Checkpoint → ONNX graphs in an engine directory.
+
+Graphs (dynamo exporter, opset 24):
+  lm.onnx       bf16, for TensorRT: prefill (S = prompt) and decode step (S = 1) are one graph, so one engine
+                with two optimization profiles holds the weights once
+  lm.ref.onnx   fp32 reference twin for ONNX Runtime (fp32 math on the same bf16 weights)
+  codec.onnx    fp32 codec decoder, codes [B,8,T] → waveform [B,1,960·T]
+All weights live once in `weights.bin`, copied straight from the checkpoint's bytes; every graph points
+into it (ONNX external data), so the twin costs no second copy and export never holds the weights twice.
+"""
+
+import contextlib
+import io
+import logging
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnxscript
+import torch
+
+from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.generate import NO_END
+from higgs_trt.runtime.manifest import MANIFEST, publish, write_manifest
+
+from .checkpoint import Checkpoint
+from .codec import CodecDecoder
+from .model import HiggsLM
+from .ops import ONNX_OPSET, ONNX_TRANSLATIONS, NativeOps
+
+WEIGHTS = "weights.bin"
+LM_STEP_INPUTS = ("input_ids", "audio_codes", "is_audio", "write_pos", "new_len", "row_index", "end_frame")
+# Folding a constant bigger than this would copy a weight (e.g. a bf16→fp32 cast in the twin) and lose its name.
+FOLD_LIMIT = 8
+ALIGN = 64
+
+
+def cache_names(num_layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
+    return past, [n.replace("past_", "present_") for n in past]
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporter reports every stage on stdout and warns about unrelated packages; keep our output ours."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _export(module, args, input_names, output_names, dynamic_shapes) -> ir.Model:
+    with _quiet():
+        program = torch.onnx.export(module, args, dynamo=True, opset_version=ONNX_OPSET, optimize=False,
+                                    input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=dynamic_shapes, custom_translation_table=ONNX_TRANSLATIONS)
+        model = program.model
+        onnxscript.optimizer.optimize(model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT)
+    return model
+
+
+def export_lm(model: HiggsLM) -> ir.Model:
+    b, s = 2, 3  # example sizes > 1 so the exporter keeps them symbolic
+    n = model.cfg.num_codebooks
+    args = (torch.zeros(b, s, dtype=torch.int32), torch.zeros(b, s, n, dtype=torch.int32),
+            torch.zeros(b, s, dtype=torch.bool), torch.zeros(b, dtype=torch.int64), torch.full((b,), s),
+            torch.zeros(b, dtype=torch.int64), torch.full((b,), int(NO_END)), model.new_caches(b))
+    batch, seq = {0: "batch"}, {0: "batch", 1: "seq"}
+    dynamic = {"input_ids": seq, "audio_codes": seq, "is_audio": seq, "write_pos": batch, "new_len": batch,
+               "row_index": batch, "end_frame": batch, "caches": tuple(batch for _ in args[-1])}
+    past, present = cache_names(model.cfg.num_layers)
+    return _export(model, args, [*LM_STEP_INPUTS, *past], ["logits", "codes", *present], dynamic)
+
+
+def export_codec(codec: CodecDecoder) -> ir.Model:
+    codes = torch.zeros(2, codec.dims.num_quantizers, 5, dtype=torch.int32)
+    return _export(codec, (codes,), ["codes"], ["audio"], {"codes": {0: "batch", 2: "frames"}})
+
+
+class WeightsFile:
+    """The engine directory's one external-data file: each initializer stored once, shared by every graph.
+
+    Checkpoint tensors are copied byte for byte from the checkpoint (plain reads, nothing kept in memory);
+    a checkpoint tensor the exporter turned into fp32 (the twin) is put back as the bf16 original + a Cast.
+    """
+
+    def __init__(self, path: Path, ckpt: Checkpoint):
+        self.path, self.ckpt = path, ckpt
+        self.file = open(path, "wb")
+        self.shared: dict[str, tuple[int, int]] = {}
+
+    def close(self) -> None:
+        self.file.close()
+
+    def _append(self, data: bytes) -> tuple[int, int]:
+        self.file.write(b"\0" * (-self.file.tell() % ALIGN))
+        offset = self.file.tell()
+        self.file.write(data)
+        return offset, len(data)
+
+    def _checkpoint_tensor(self, name: str) -> tuple[int, int]:
+        if name not in self.shared:
+            if self.ckpt.dtype(name) == "BF16":
+                data = self.ckpt.raw_bytes(name)
+            else:
+                data = self.ckpt.tensor(name).to(torch.bfloat16).view(torch.uint16).numpy().tobytes()
+            self.shared[name] = self._append(data)
+        return self.shared[name]
+
+    def _external(self, name: str, dtype: ir.DataType, shape: ir.Shape, where: tuple[int, int]) -> ir.ExternalTensor:
+        return ir.ExternalTensor(self.path.name, *where, dtype, shape=shape, name=name, base_dir=self.path.parent)
+
+    def place(self, model: ir.Model, checkpoint_names: bool) -> None:
+        """Move the graph's initializers into the file; with `checkpoint_names`, those named like a checkpoint
+        tensor are that tensor (stored once, as bf16)."""
+        graph = model.graph
+        for name, value in list(graph.initializers.items()):
+            tensor = value.const_value
+            if checkpoint_names and name in self.ckpt:
+                external = self._external(name, ir.DataType.BFLOAT16, tensor.shape, self._checkpoint_tensor(name))
+                if tensor.dtype == ir.DataType.BFLOAT16:
+                    value.const_value = external
+                else:
+                    self._replace_with_bf16_cast(graph, value, external)
+            elif tensor.nbytes >= ALIGN:
+                value.const_value = self._external(name, tensor.dtype, tensor.shape, self._append(tensor.tobytes()))
+
+    @staticmethod
+    def _replace_with_bf16_cast(graph: ir.Graph, value: ir.Value, bf16: ir.ExternalTensor) -> None:
+        graph.initializers.pop(value.name)
+        source = ir.Value(name=value.name, shape=bf16.shape, type=ir.TensorType(ir.DataType.BFLOAT16), const_value=bf16)
+        graph.register_initializer(source)
+        cast = ir.node("Cast", [source], {"to": ir.DataType.FLOAT})
+        cast.outputs[0].name = f"{value.name}.fp32"
+        cast.outputs[0].shape, cast.outputs[0].type = bf16.shape, ir.TensorType(ir.DataType.FLOAT)
+        value.replace_all_uses_with(cast.outputs[0])
+        graph.insert_before(graph.node(0), cast)
+
+
+def graph_io(model: ir.Model) -> dict:
+    def describe(v: ir.Value) -> dict:
+        return {"name": v.name, "dtype": v.dtype.numpy().name, "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
+
+    return {"inputs": [describe(v) for v in model.graph.inputs], "outputs": [describe(v) for v in model.graph.outputs]}
+
+
+def _check_weights_kept(model: ir.Model, ckpt: Checkpoint, expected: list[str]) -> None:
+    names = set(model.graph.initializers)
+    lost = [n for n in expected if n not in names]
+    if lost:
+        raise RuntimeError(f"export folded checkpoint tensors away (would copy weights): {lost[:5]}")
+
+
+def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batch: int = 8, max_prompt: int = 512,
+                  ops=NativeOps, say=print) -> Path:
+    """Export every graph of an engine directory at `out` (written in a temp dir, then moved into place)."""
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    if not 1 <= max_prompt < max_seq or max_batch < 1:
+        raise HiggsError(f"need 1 ≤ max-prompt < max-seq and max-batch ≥ 1 (got {max_prompt}, {max_seq}, {max_batch})")
+    ckpt = Checkpoint(checkpoint_dir)
+    tokenizer = checkpoint_dir / "tokenizer.json"
+    if not tokenizer.exists():
+        raise HiggsError(f"{checkpoint_dir}: tokenizer.json not found")
+    from higgs_trt.runtime.prompt import HiggsTokenizer
+
+    HiggsTokenizer(tokenizer)  # refuse a checkpoint whose tokenizer lacks the Higgs special tokens now
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export."))
+    try:
+        graphs = _export_graphs(ckpt, staging, max_seq, ops, say)
+        shutil.copy(tokenizer, staging / "tokenizer.json")
+        write_manifest(staging, {
+            "checkpoint": {"fingerprint": ckpt.fingerprint(), "source": str(checkpoint_dir.resolve())},
+            "model": ckpt.config.to_dict(),
+            "precision": "bf16",
+            "ops": ops.name,
+            "limits": {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt},
+            "graphs": graphs,
+            "files": [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"],
+        })
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say) -> dict:
+    weights = WeightsFile(staging / WEIGHTS, ckpt)
+    graphs = {}
+    lm_names = list(HiggsLM.expected_tensors(ckpt.config))
+    try:
+        for key, file, dtype in (("lm", "lm.onnx", torch.bfloat16), ("lm_ref", "lm.ref.onnx", torch.float32)):
+            t0 = time.perf_counter()
+            model = export_lm(HiggsLM.from_checkpoint(ckpt, max_seq, dtype, ops))
+            _check_weights_kept(model, ckpt, lm_names)
+            weights.place(model, checkpoint_names=True)
+            graphs[key] = {"file": file, "dtype": str(dtype).removeprefix("torch."), **graph_io(model)}
+            ir.save(model, staging / file)
+            say(f"  {file}: {len(model.graph)} nodes ({time.perf_counter() - t0:.1f} s)")
+        t0 = time.perf_counter()
+        model = export_codec(CodecDecoder.from_checkpoint(ckpt))
+        weights.place(model, checkpoint_names=False)
+        graphs["codec"] = {"file": "codec.onnx", "dtype": "float32", **graph_io(model)}
+        ir.save(model, staging / "codec.onnx")
+        say(f"  codec.onnx: {len(model.graph)} nodes ({time.perf_counter() - t0:.1f} s)")
+    finally:
+        weights.close()
+    for g in graphs.values():
+        onnx.checker.check_model(str(staging / g["file"]), full_check=True)
+    return graphs

@@ -1,0 +1,109 @@
+"""The engine directory's `manifest.json`: what was built from what, and the graph contracts.
+
+The manifest records the checkpoint's fingerprint, precision, op path, cache and batch bounds, every graph's
+I/O (names, shapes, dtypes), the tool version and a digest of every file. It is sealed with a hash of its own
+content, so a hand-edited manifest or a file swapped in from another export is refused at load.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from .errors import HiggsError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+SAMPLES = 64  # windows hashed in a large file
+WINDOW = 1 << 16
+
+
+def tool_version() -> str:
+    try:
+        return version("higgs-trt")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def file_digest(path: Path) -> dict:
+    """Full sha256 for files up to 64 MiB; size + 64 sampled 64 KiB windows for larger ones (weights)."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= SAMPLES * WINDOW * 16:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+            return {"bytes": size, "sha256": h.hexdigest()}
+        for i in range(SAMPLES):
+            f.seek((size - WINDOW) * i // (SAMPLES - 1))
+            h.update(f.read(WINDOW))
+    return {"bytes": size, "sampled_sha256": h.hexdigest()}
+
+
+def _seal(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    manifest = {**manifest, "format": FORMAT, "tool_version": tool_version(),
+                "files": {f: file_digest(directory / f) for f in sorted(manifest["files"])}}
+    manifest["manifest_sha256"] = _seal(manifest)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Move a finished staging directory into place; an older directory at `target` is replaced whole."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old."))
+        os.replace(target, old / target.name)
+    os.replace(staging, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class EngineDir:
+    """A loaded, verified engine directory."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        file = self.path / MANIFEST
+        try:
+            self.manifest = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise HiggsError(f"{self.path}: not an engine directory (no {MANIFEST}); create one with `higgs-trt export`") from None
+        except (OSError, ValueError) as e:
+            raise HiggsError(f"{file}: unreadable ({e})") from None
+        m = self.manifest
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise HiggsError(f"{file}: format {m.get('format') if isinstance(m, dict) else None!r} is not {FORMAT}; re-export")
+        if m.get("manifest_sha256") != _seal(m):
+            raise HiggsError(f"{file}: has been edited by hand (its seal does not match); re-export the engine directory")
+        for name, digest in m["files"].items():
+            path = self.path / name
+            if not path.exists():
+                raise HiggsError(f"{self.path}: {name} is missing")
+            if file_digest(path) != digest:
+                raise HiggsError(f"{self.path}: {name} does not match the manifest (changed, or copied from another export)")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["checkpoint"]["fingerprint"]
+
+    def check_checkpoint(self, fingerprint: str, checkpoint: Path) -> None:
+        if fingerprint != self.fingerprint:
+            raise HiggsError(f"{self.path} was built from another checkpoint than {checkpoint} "
+                             f"(fingerprint {self.fingerprint[:12]}… vs {fingerprint[:12]}…)")
+
+    def graph(self, name: str) -> dict:
+        try:
+            return self.manifest["graphs"][name]
+        except KeyError:
+            raise HiggsError(f"{self.path}: has no {name} graph (built with another precision or version?)") from None
+
+    def file(self, name: str) -> Path:
+        return self.path / self.graph(name)["file"]
