@@ -25,7 +25,7 @@ import torch
 
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
-from higgs_trt.runtime.manifest import MANIFEST, publish, write_manifest
+from higgs_trt.runtime.manifest import publish, write_manifest
 
 from .checkpoint import Checkpoint
 from .codec import CodecDecoder
@@ -96,10 +96,20 @@ class WeightsFile:
     def __init__(self, path: Path, ckpt: Checkpoint):
         self.path, self.ckpt = path, ckpt
         self.file = open(path, "wb")
-        self.shared: dict[str, tuple[int, int]] = {}
+        self.placed: dict[str, tuple[int, int]] = {}
 
     def close(self) -> None:
         self.file.close()
+
+    def flush(self) -> None:
+        """Make everything written so far readable through the graphs' external references."""
+        self.file.flush()
+
+    def shared(self, key: str, dtype: ir.DataType, shape: ir.Shape, data: bytes) -> ir.ExternalTensor:
+        """A tensor that several graphs reference, stored once under `key`."""
+        if key not in self.placed:
+            self.placed[key] = self._append(data)
+        return self._external(key, dtype, shape, self.placed[key])
 
     def _append(self, data: bytes) -> tuple[int, int]:
         self.file.write(b"\0" * (-self.file.tell() % ALIGN))
@@ -108,13 +118,13 @@ class WeightsFile:
         return offset, len(data)
 
     def _checkpoint_tensor(self, name: str) -> tuple[int, int]:
-        if name not in self.shared:
+        if name not in self.placed:
             if self.ckpt.dtype(name) == "BF16":
                 data = self.ckpt.raw_bytes(name)
             else:
                 data = self.ckpt.tensor(name).to(torch.bfloat16).view(torch.uint16).numpy().tobytes()
-            self.shared[name] = self._append(data)
-        return self.shared[name]
+            self.placed[name] = self._append(data)
+        return self.placed[name]
 
     def _external(self, name: str, dtype: ir.DataType, shape: ir.Shape, where: tuple[int, int]) -> ir.ExternalTensor:
         return ir.ExternalTensor(self.path.name, *where, dtype, shape=shape, name=name, base_dir=self.path.parent)
@@ -161,8 +171,18 @@ def _check_weights_kept(model: ir.Model, ckpt: Checkpoint, expected: list[str]) 
 
 
 def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batch: int = 8, max_prompt: int = 512,
-                  ops=NativeOps, say=print) -> Path:
-    """Export every graph of an engine directory at `out` (written in a temp dir, then moved into place)."""
+                  ops=NativeOps, say=print, precision: str = "bf16", calibration: Path | None = None,
+                  gate: tuple[float, float] | None = None) -> Path:
+    """Export every graph of an engine directory at `out` (written in a temp dir, then moved into place).
+
+    precision fp8 adds the FP8 Q/DQ graphs, with scales from `calibration` (a file from `higgs-trt calibrate`)
+    or computed now from the built-in prompt set, and runs the accuracy gate (cosine, top-1 floors) on them.
+    """
+    from higgs_trt.calibration.calibrate import calibrate, load_calibration, write_calibration
+    from higgs_trt.calibration.gate import DEFAULT_COSINE, DEFAULT_TOP1, run_gate
+    from higgs_trt.runtime.manifest import EngineDir
+    from higgs_trt.runtime.prompt import HiggsTokenizer
+
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     if not 1 <= max_prompt < max_seq or max_batch < 1:
         raise HiggsError(f"need 1 ≤ max-prompt < max-seq and max-batch ≥ 1 (got {max_prompt}, {max_seq}, {max_batch})")
@@ -170,23 +190,38 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
     tokenizer = checkpoint_dir / "tokenizer.json"
     if not tokenizer.exists():
         raise HiggsError(f"{checkpoint_dir}: tokenizer.json not found")
-    from higgs_trt.runtime.prompt import HiggsTokenizer
-
     HiggsTokenizer(tokenizer)  # refuse a checkpoint whose tokenizer lacks the Higgs special tokens now
+    fingerprint = ckpt.fingerprint()
+    scales = None
+    if precision == "fp8":
+        if calibration:
+            scales = load_calibration(calibration, fingerprint)
+        else:
+            say("  calibrating FP8 scales on the built-in prompt set (BF16 torch reference)…")
+            scales = calibrate(checkpoint_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export."))
     try:
-        graphs = _export_graphs(ckpt, staging, max_seq, ops, say)
+        graphs = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
         shutil.copy(tokenizer, staging / "tokenizer.json")
-        write_manifest(staging, {
-            "checkpoint": {"fingerprint": ckpt.fingerprint(), "source": str(checkpoint_dir.resolve())},
+        files = [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"]
+        manifest = {
+            "checkpoint": {"fingerprint": fingerprint, "source": str(checkpoint_dir.resolve())},
             "model": ckpt.config.to_dict(),
-            "precision": "bf16",
+            "precision": precision,
             "ops": ops.name,
             "limits": {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt},
             "graphs": graphs,
-            "files": [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"],
-        })
+        }
+        if scales:
+            write_calibration(scales, staging / "calibration.json")
+            files.append("calibration.json")
+            manifest["calibration"] = {"file": "calibration.json", "content_sha256": scales["content_sha256"]}
+        write_manifest(staging, manifest, files)
+        if scales:
+            cosine, top1 = gate or (DEFAULT_COSINE, DEFAULT_TOP1)
+            manifest["fp8_gate"] = run_gate(EngineDir(staging), checkpoint_dir, scales, cosine, top1, say)
+            write_manifest(staging, manifest, files)
         publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -194,19 +229,31 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
     return out
 
 
-def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say) -> dict:
+def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scales: dict | None) -> dict:
     weights = WeightsFile(staging / WEIGHTS, ckpt)
     graphs = {}
     lm_names = list(HiggsLM.expected_tensors(ckpt.config))
+
+    def save(key: str, file: str, model: ir.Model, dtype: str, t0: float) -> None:
+        graphs[key] = {"file": file, "dtype": dtype, **graph_io(model)}
+        ir.save(model, staging / file)
+        say(f"  {file}: {len(model.graph)} nodes ({time.perf_counter() - t0:.1f} s)")
+
     try:
         for key, file, dtype in (("lm", "lm.onnx", torch.bfloat16), ("lm_ref", "lm.ref.onnx", torch.float32)):
             t0 = time.perf_counter()
             model = export_lm(HiggsLM.from_checkpoint(ckpt, max_seq, dtype, ops))
             _check_weights_kept(model, ckpt, lm_names)
             weights.place(model, checkpoint_names=True)
-            graphs[key] = {"file": file, "dtype": str(dtype).removeprefix("torch."), **graph_io(model)}
-            ir.save(model, staging / file)
-            say(f"  {file}: {len(model.graph)} nodes ({time.perf_counter() - t0:.1f} s)")
+            name = str(dtype).removeprefix("torch.")
+            save(key, file, model, name, t0)
+            if scales:  # the same graph, FP8 GEMMs (in place: this graph is saved already)
+                from higgs_trt.calibration.qdq import insert_qdq
+
+                t0 = time.perf_counter()
+                weights.flush()
+                insert_qdq(model, scales["activation_amax"], weights)
+                save(key.replace("lm", "lm_fp8"), file.replace("lm.", "lm.fp8."), model, name, t0)
         t0 = time.perf_counter()
         model = export_codec(CodecDecoder.from_checkpoint(ckpt))
         weights.place(model, checkpoint_names=False)

@@ -18,6 +18,7 @@ AUDIO_VOCAB = 1026
 REPEAT_GUARD_ROWS = 32  # this many identical rows in a row end the utterance
 HARD_CAP_ROWS = 2048  # ≈ 82 s of audio whatever the text
 FRAMES_PER_SECOND = 25
+SAMPLES_PER_FRAME = 960  # 24 kHz / 25 fps
 
 
 # ---- delay pattern --------------------------------------------------------------------------------------------

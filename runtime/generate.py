@@ -64,6 +64,15 @@ def prefill_feeds(prompts: list[Prompt]) -> dict[str, np.ndarray]:
     return feeds
 
 
+def step_feeds(codes: np.ndarray, write_pos: np.ndarray, row: int, end_frame: np.ndarray) -> dict[str, np.ndarray]:
+    """Feeds of one decode step: each sequence's last row of codes [B,8], written at write_pos [B]."""
+    b = len(codes)
+    return {"input_ids": np.zeros((b, 1), np.int32), "audio_codes": np.asarray(codes, np.int32).reshape(b, 1, -1),
+            "is_audio": np.ones((b, 1), bool), "write_pos": np.asarray(write_pos, np.int64),
+            "new_len": np.ones(b, np.int64), "row_index": np.full(b, row, np.int64),
+            "end_frame": np.asarray(end_frame, np.int64)}
+
+
 def row_caps(prompts: list[Prompt], max_seq: int, hard_cap: int = HARD_CAP_ROWS) -> list[int]:
     caps = []
     for x in prompts:
@@ -86,15 +95,8 @@ def generate(backend: Backend, prompts: list[Prompt], sampling: Sampling = Sampl
 
     backend.start(b)
     logits, codes = backend.lm(prefill_feeds(prompts))
-    step = {
-        "input_ids": np.zeros((b, 1), np.int32),
-        "audio_codes": np.zeros((b, 1, NUM_CODEBOOKS), np.int32),
-        "is_audio": np.ones((b, 1), bool),
-        "write_pos": np.array([len(x) for x in prompts], np.int64),
-        "new_len": np.ones(b, np.int64),
-        "row_index": np.zeros(b, np.int64),
-        "end_frame": end,
-    }
+    step = step_feeds(np.zeros((b, NUM_CODEBOOKS)), [len(x) for x in prompts], 0, end)
+    step["end_frame"] = end  # the loop updates it in place
     row = 0
     while True:
         if not sampling.greedy:

@@ -48,11 +48,15 @@ def _seal(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def write_manifest(directory: Path, manifest: dict) -> None:
+def write_manifest(directory: Path, manifest: dict, files: list[str]) -> None:
+    """Seal `manifest` with the digests of `files` and write it (atomically: it is the directory's commit point)."""
     manifest = {**manifest, "format": FORMAT, "tool_version": tool_version(),
-                "files": {f: file_digest(directory / f) for f in sorted(manifest["files"])}}
+                "files": {f: file_digest(directory / f) for f in sorted(set(files))}}
+    manifest.pop("manifest_sha256", None)
     manifest["manifest_sha256"] = _seal(manifest)
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, directory / MANIFEST)
 
 
 def publish(staging: Path, target: Path) -> None:

@@ -13,7 +13,7 @@ from .manifest import EngineDir
 class OrtBackend:
     name = "ort"
 
-    def __init__(self, engine: EngineDir, device: str = "auto", threads: int = 0):
+    def __init__(self, engine: EngineDir, device: str = "auto", threads: int = 0, graph: str | None = None):
         import onnxruntime as ort
 
         self.engine = engine
@@ -30,9 +30,10 @@ class OrtBackend:
         options.intra_op_num_threads = threads
         options.log_severity_level = 3  # TensorScatter warns on every call that it copies the cache
         self._ort = ort
-        self.lm_session = self._session(engine, "lm_ref", options, providers)
+        graph = graph or ("lm_fp8_ref" if engine.manifest["precision"] == "fp8" else "lm_ref")
+        self.lm_session = self._session(engine, graph, options, providers)
         self.codec_session = self._session(engine, "codec", options, providers)
-        io = engine.graph("lm_ref")
+        io = engine.graph(graph)
         self.cache_inputs = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
         self.cache_outputs = [t["name"] for t in io["outputs"] if t["name"].startswith("present_")]
         self.cache_shape = next(t["shape"] for t in io["inputs"] if t["name"].startswith("past_"))[1:]

@@ -31,3 +31,21 @@ def tiny_engine(tiny_ckpt, tmp_path_factory) -> Path:
 def engine_copy(tiny_engine, tmp_path) -> Path:
     """A private copy of the tiny engine directory that a test may damage."""
     return Path(shutil.copytree(tiny_engine, tmp_path / "engine"))
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(tiny_ckpt, tmp_path_factory) -> Path:
+    from higgs_trt.calibration.calibrate import calibrate, write_calibration
+
+    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    write_calibration(calibrate(tiny_ckpt), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_engine(tiny_ckpt, tiny_calibration, tmp_path_factory) -> Path:
+    """The tiny checkpoint exported with FP8 Q/DQ graphs (same limits as tiny_engine). Read-only."""
+    from higgs_trt.builder.export import export_engine
+
+    return export_engine(tiny_ckpt, tmp_path_factory.mktemp("engine8") / "tiny8", max_seq=160, max_batch=4,
+                         max_prompt=96, say=lambda msg: None, precision="fp8", calibration=tiny_calibration)

@@ -1,0 +1,169 @@
+"""ONNX graphs → TensorRT plans, written into the engine directory beside the graphs.
+
+- `lm.plan`: the lm graph with two optimization profiles, 0 = prefill (S = 1..max_prompt) and 1 = decode
+  step (S = 1). One engine rather than two: the weights (8 GB in bf16 for Higgs v3) are held once on the GPU,
+  and one execution context switches profiles, as TensorRT-Edge-LLM does. The KV caches are static
+  [B, Hkv, S_max, D] inputs in both profiles (TensorRT's KV-cache layer needs a static S_max).
+- `codec.plan`: codes [B, 8, T] → waveform, T = 1..max_seq frames.
+
+Networks are strongly typed (precision comes from the ONNX tensor types and explicit Q/DQ; TensorRT 11 has no
+precision flags). `target` builds with TensorRT-RTX for that compute capability (works without a GPU);
+without it, datacenter TensorRT builds for the local GPU. `lean` makes VERSION_COMPATIBLE plans that exclude the
+lean runtime, for `tensorrt_lean` of the same version.
+"""
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from higgs_trt.runtime import trt_shim
+from higgs_trt.runtime.errors import HiggsError
+
+WORKSPACE = 4 << 30
+TIMING_CACHE = "timing.cache"
+PLANS = {"lm": "lm.plan", "codec": "codec.plan"}
+
+
+@dataclass
+class Plan:
+    data: bytes
+    layers: Counter  # layer type name → count in the parsed network
+    seconds: float
+
+
+def _concrete(shape: list, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) else sizes[d] for d in shape)
+
+
+def profiles_for(graph_io: dict, ranges: dict[str, dict[str, tuple[int, int, int]]]) -> list[dict]:
+    """Optimization profiles in index order: each input's [min, opt, max] shape from the graph's symbolic dims."""
+    return [{"name": profile, "shapes": {
+        t["name"]: [list(_concrete(t["shape"], {k: v[i] for k, v in sizes.items()})) for i in range(3)]
+        for t in graph_io["inputs"]}} for profile, sizes in ranges.items()]
+
+
+def lm_ranges(limits: dict) -> dict:
+    b, p = limits["max_batch"], limits["max_prompt"]
+    return {"prefill": {"batch": (1, 1, b), "seq": (1, min(64, p), p)},
+            "decode": {"batch": (1, 1, b), "seq": (1, 1, 1)}}
+
+
+def codec_ranges(limits: dict) -> dict:
+    return {"decode": {"batch": (1, 1, limits["max_batch"]), "frames": (1, min(33, limits["max_seq"]), limits["max_seq"])}}
+
+
+def build_plan(trt, onnx_path: Path, profiles: dict, target: str | None, lean: bool, timing_cache: Path | None,
+               preview_features: tuple = ()) -> Plan:
+    logger = trt_shim.make_logger(trt)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))
+        raise HiggsError(f"TensorRT cannot parse {onnx_path.name}: {errors}")
+    layers = Counter(network.get_layer(i).type.name for i in range(network.num_layers))
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE)
+    if target:
+        trt_shim.set_target(trt, config, target)
+    if lean:
+        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+        config.set_flag(trt.BuilderFlag.EXCLUDE_LEAN_RUNTIME)
+    for feature in preview_features:
+        config.set_preview_feature(getattr(trt.PreviewFeature, feature), True)
+    for entry in profiles:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in entry["shapes"].items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    if timing_cache:
+        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
+        config.set_timing_cache(cache, False)
+
+    t0 = time.perf_counter()
+    data = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - t0
+    if data is None or logger.errors:
+        raise HiggsError(f"TensorRT could not build {onnx_path.name}: {'; '.join(logger.errors) or 'no engine'}")
+    if timing_cache:
+        timing_cache.write_bytes(memoryview(config.get_timing_cache().serialize()))
+    return Plan(bytes(memoryview(data)), layers, seconds)
+
+
+def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str | None, lean: bool, say) -> dict:
+    """Build lm and codec plans into `engine_dir`; returns the manifest's `engines` and `build` sections."""
+    trt = trt_shim.load("rtx" if target else "tensorrt")
+    limits = manifest["limits"]
+    engines = {}
+    for key, graph, ranges in (("lm", lm_graph, lm_ranges(limits)), ("codec", "codec", codec_ranges(limits))):
+        io = manifest["graphs"][graph]
+        profiles = profiles_for(io, ranges)
+        names = ", ".join(p["name"] for p in profiles)
+        say(f"  building {PLANS[key]} from {io['file']} ({names} profile{'s' * (len(profiles) > 1)})…")
+        # TensorRT-RTX has no timing cache (its cache calls are no-ops that log CUDA errors without a GPU)
+        plan = build_plan(trt, engine_dir / io["file"], profiles, target, lean,
+                          None if target else engine_dir / TIMING_CACHE, tuple(manifest.get("preview_features", ())))
+        tmp = engine_dir / f".{PLANS[key]}.tmp"
+        tmp.write_bytes(plan.data)
+        tmp.replace(engine_dir / PLANS[key])
+        engines[key] = {"file": PLANS[key], "graph": graph, "profiles": profiles, "layers": dict(plan.layers),
+                        "build_seconds": round(plan.seconds, 2)}
+        say(f"  {PLANS[key]}: {len(plan.data) / 2**20:.1f} MiB in {plan.seconds:.1f} s")
+    build = {"builder": "tensorrt-rtx" if target else "tensorrt", "version": trt.__version__,
+             "target": target or "local-gpu", "lean": lean}
+    return {"engines": engines, "build": build}
+
+
+def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean: bool, limits: dict, say,
+          calibration: Path | None = None, gate: tuple[float, float] | None = None) -> Path:
+    """Export (reusing the engine directory's graphs when nothing they depend on changed), then build."""
+    from higgs_trt.runtime.manifest import EngineDir, write_manifest
+
+    from .checkpoint import Checkpoint
+    from .export import export_engine
+
+    if target and target not in trt_shim.TARGETS:  # fail before a long export
+        raise HiggsError(f"unknown target {target!r}; TensorRT-RTX builds for {', '.join(trt_shim.TARGETS)}")
+    if lean and target:
+        raise HiggsError("--lean makes plans for tensorrt_lean, which TensorRT-RTX plans cannot use; drop --target")
+    fingerprint = Checkpoint(checkpoint).fingerprint()
+    engine = _reusable(out, fingerprint, limits, precision, calibration)
+    if engine is None:
+        say(f"exporting {checkpoint} → {out}")
+        export_engine(checkpoint, out, limits["max_seq"], limits["max_batch"], limits["max_prompt"], say=say,
+                      precision=precision, calibration=calibration, gate=gate)
+        engine = EngineDir(out)
+    else:
+        say(f"reusing the ONNX graphs in {out} (same checkpoint, limits, precision and tool version)")
+    manifest = engine.manifest
+    sections = build_engines(out, manifest, "lm_fp8" if precision == "fp8" else "lm", target, lean, say)
+    manifest = {**manifest, **sections}
+    files = [*manifest["files"], *(e["file"] for e in sections["engines"].values())]
+    write_manifest(out, manifest, files)
+    return out
+
+
+def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibration: Path | None):
+    """The existing engine directory at `out`, if its graphs are what this build would export."""
+    import json
+
+    from higgs_trt.runtime.manifest import EngineDir, tool_version
+
+    if not (out / "manifest.json").exists():
+        return None
+    try:
+        engine = EngineDir(out)
+    except HiggsError:
+        return None  # damaged or stale: export again
+    m = engine.manifest
+    same = (m["checkpoint"]["fingerprint"] == fingerprint and m["limits"] == limits and m["precision"] == precision
+            and m["tool_version"] == tool_version())
+    if same and calibration is not None:
+        try:
+            wanted = json.loads(Path(calibration).read_text()).get("content_sha256")
+        except (OSError, ValueError):
+            return None  # let the export report the unreadable file
+        same = m.get("calibration", {}).get("content_sha256") == wanted
+    return engine if same else None

@@ -1,0 +1,120 @@
+"""FP8 activation scales from the fixed, built-in prompt set, through the BF16 torch reference.
+
+Every GEMM input of the decoder layers (q/k/v, o, gate/up, down) is observed with a forward pre-hook while each
+calibration prompt is prefilled and then decoded greedily for a fixed number of rows: scales cover the decode
+path, not only the prompt. The statistic per site is the largest per-token |x| (`max`) or its 99.9th percentile
+over tokens (`p999`). ModelOpt is not used here: its torch calibration instruments nn.Linear (our Linear exports
+as Gemm on the checkpoint's own tensor), its ONNX calibration only sees the inputs it is fed (not our decode
+loop), and its Q/DQ placement adds residual/norm/attention quantizers the card keeps in bf16. A forward hook and
+a max are the whole job.
+
+The result, calibration.json, names the prompt-set version and hash and the checkpoint it belongs to, and is
+sealed with a hash of its content; the same inputs give the same bytes.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from higgs_trt.runtime.errors import HiggsError
+
+PROMPTS = Path(__file__).with_name("prompts.json")
+FORMAT = 1
+FP8_MAX = 448.0
+QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+STATISTICS = ("max", "p999")
+
+
+def prompt_set() -> dict:
+    raw = PROMPTS.read_bytes()
+    return {**json.loads(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+
+
+def quantized_sites(num_layers: int) -> list[str]:
+    return [f"body.layers.{i}.{s}" for i in range(num_layers) for s in QUANTIZED]
+
+
+def _seal(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def build_prompts(tok, items: list[dict]):
+    from higgs_trt.runtime.prompt import build_prompt
+
+    return [build_prompt(tok, p["text"], np.array(p["ref_codes"], np.int32) if "ref_codes" in p else None,
+                         p.get("ref_text")) for p in items]
+
+
+def observe(checkpoint_dir: Path, visit, split: str = "calibration", device: str | None = None) -> None:
+    """Call visit(site, module, x) with the input x of every quantized GEMM while the prompt set's `split` is
+    prefilled and decoded greedily (BF16 torch reference, one prompt at a time: no padding rows)."""
+    import torch
+
+    from higgs_trt.builder.torch_backend import TorchBackend
+    from higgs_trt.runtime.decoding import Sampling
+    from higgs_trt.runtime.generate import generate
+    from higgs_trt.runtime.prompt import HiggsTokenizer
+
+    prompts = prompt_set()
+    backend = TorchBackend(checkpoint_dir, max_seq=1024, max_batch=1, dtype=torch.bfloat16, device=device)
+    tok = HiggsTokenizer(Path(checkpoint_dir) / "tokenizer.json")
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: visit(name, m, args[0].detach()))
+             for name, module in backend.model.named_modules() if name.endswith(QUANTIZED)]
+    try:
+        for prompt in build_prompts(tok, prompts[split]):
+            generate(backend, [prompt], Sampling(), hard_cap=prompts["rows"])
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def calibrate(checkpoint_dir: Path, statistic: str = "max", device: str | None = None) -> dict:
+    from higgs_trt.builder.checkpoint import Checkpoint
+
+    if statistic not in STATISTICS:
+        raise HiggsError(f"unknown statistic {statistic!r}; choose {', '.join(STATISTICS)}")
+    ckpt = Checkpoint(checkpoint_dir)
+    seen: dict[str, list] = {}
+    observe(checkpoint_dir, lambda site, _, x: seen.setdefault(site, []).append(
+        x.abs().amax(dim=-1).float().flatten().cpu().numpy()), device=device)
+    per_token = {site: np.concatenate(v) for site, v in sorted(seen.items())}
+    reduce = np.max if statistic == "max" else (lambda v: np.percentile(v, 99.9))
+    prompts = prompt_set()
+    body = {
+        "format": FORMAT,
+        "prompt_set": {"version": prompts["version"], "sha256": prompts["sha256"]},
+        "checkpoint": ckpt.fingerprint(),
+        "statistic": statistic,
+        "rows": prompts["rows"],
+        "tokens": int(len(next(iter(per_token.values())))),
+        "activation_amax": {name: float(np.float32(reduce(v))) for name, v in per_token.items()},
+    }
+    missing = set(quantized_sites(ckpt.config.num_layers)) - set(body["activation_amax"])
+    if missing:
+        raise RuntimeError(f"calibration saw no input at {sorted(missing)[:3]}")
+    return {**body, "content_sha256": _seal(body)}
+
+
+def write_calibration(calibration: dict, path: Path) -> None:
+    path.write_text(json.dumps(calibration, indent=1, sort_keys=True) + "\n")
+
+
+def load_calibration(path: Path, fingerprint: str) -> dict:
+    """A calibration file, refused unless it is intact and belongs to this checkpoint and prompt-set version."""
+    try:
+        calibration = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise HiggsError(f"{path}: unreadable calibration ({e})") from None
+    body = {k: v for k, v in calibration.items() if k != "content_sha256"} if isinstance(calibration, dict) else {}
+    if not body or calibration.get("format") != FORMAT or calibration.get("content_sha256") != _seal(body):
+        raise HiggsError(f"{path}: not an intact calibration file (edited, truncated or another format)")
+    current = prompt_set()
+    if calibration["prompt_set"] != {"version": current["version"], "sha256": current["sha256"]}:
+        raise HiggsError(f"{path}: calibrated on prompt set v{calibration['prompt_set']['version']}, this tool's is "
+                         f"v{current['version']}; run `higgs-trt calibrate` again")
+    if calibration["checkpoint"] != fingerprint:
+        raise HiggsError(f"{path}: calibrated for another checkpoint (fingerprint {calibration['checkpoint'][:12]}…)")
+    return calibration

@@ -1,0 +1,104 @@
+"""FP8: fixed-prompt calibration, Q/DQ graphs, the accuracy gate, and that no request ever changes the scales."""
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.builder.export import export_engine
+from higgs_trt.builder.tiny import write_random_checkpoint
+from higgs_trt.calibration.calibrate import _seal, calibrate, load_calibration, quantized_sites, write_calibration
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.generate import generate
+from higgs_trt.runtime.manifest import EngineDir
+from higgs_trt.runtime.ort_backend import OrtBackend
+from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+
+
+def test_calibration_is_byte_identical_when_repeated(tiny_ckpt, tiny_calibration, tmp_path):
+    again = tmp_path / "again.json"
+    write_calibration(calibrate(tiny_ckpt), again)
+    assert again.read_bytes() == tiny_calibration.read_bytes()
+    c = json.loads(again.read_text())
+    assert set(c["activation_amax"]) == set(quantized_sites(2)) and c["tokens"] > 100
+    amax = c["activation_amax"]
+    assert amax["body.layers.0.self_attn.q_proj"] == amax["body.layers.0.self_attn.v_proj"]  # one input, one scale
+    assert c["prompt_set"]["version"] == 1 and c["statistic"] == "max"
+
+
+def reseal(path, edit):
+    c = json.loads(path.read_text())
+    edit(c)
+    c.pop("content_sha256")
+    c["content_sha256"] = _seal(c)
+    path.write_text(json.dumps(c))
+
+
+def test_foreign_or_stale_calibration_is_refused(tiny_ckpt, tiny_calibration, tmp_path):
+    fingerprint = Checkpoint(tiny_ckpt).fingerprint()
+    assert load_calibration(tiny_calibration, fingerprint)["checkpoint"] == fingerprint
+    other = Checkpoint(write_random_checkpoint(tmp_path / "other", seed=3)).fingerprint()
+    with pytest.raises(HiggsError, match="another checkpoint"):
+        load_calibration(tiny_calibration, other)
+    old = tmp_path / "old.json"
+    old.write_text(tiny_calibration.read_text())
+    reseal(old, lambda c: c["prompt_set"].update(version=0))
+    with pytest.raises(HiggsError, match="prompt set v0"):
+        load_calibration(old, fingerprint)
+    edited = tmp_path / "edited.json"
+    c = json.loads(tiny_calibration.read_text())
+    c["activation_amax"]["body.layers.0.mlp.down_proj"] *= 2
+    edited.write_text(json.dumps(c))
+    with pytest.raises(HiggsError, match="not an intact calibration"):
+        load_calibration(edited, fingerprint)
+
+
+def test_qdq_only_at_gemm_inputs(tiny_fp8_engine):
+    engine = EngineDir(tiny_fp8_engine)
+    for key in ("lm_fp8", "lm_fp8_ref"):
+        graph = onnx.load(engine.file(key), load_external_data=False).graph
+        ops = Counter(n.op_type for n in graph.node)
+        assert ops["QuantizeLinear"] == 2 * 4  # qkv, o, gate/up, down per layer
+        assert ops["DequantizeLinear"] == 2 * 4 + 2 * 7 + 1  # activations, 7 weights per layer, text embedding
+        produced = {o: n for n in graph.node for o in n.output}
+        for n in graph.node:
+            if n.op_type == "QuantizeLinear":
+                consumers = {m.op_type for m in graph.node if any(i.startswith(n.output[0]) for i in m.input)}
+                assert consumers == {"DequantizeLinear"}
+            if n.op_type in ("RotaryEmbedding", "Attention", "TensorScatter"):
+                assert all(produced.get(i) is None or produced[i].op_type != "DequantizeLinear" for i in n.input)
+        fp8 = [i for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN and i.external_data]
+        assert len(fp8) == 2 * 7 + 1
+        scales = {i.name: list(i.dims) for i in graph.initializer if i.name.endswith(".weight.scale")}
+        assert scales["body.layers.0.mlp.down_proj.weight.scale"] == [64]  # per output channel
+        assert scales["tied.embedding.text_embedding.weight.scale"] == [448]  # per row
+        assert not any(n.input[0] == "tied.embedding.modality_embeddings.0.embedding.weight.dq" for n in graph.node)
+
+
+def test_ort_runs_the_fp8_twin_and_the_gate_is_recorded(tiny_fp8_engine):
+    m = EngineDir(tiny_fp8_engine).manifest
+    assert m["precision"] == "fp8" and m["calibration"]["file"] == "calibration.json"
+    gate = m["fp8_gate"]
+    assert gate["cosine_min"] >= gate["cosine_floor"] and gate["top1"] >= gate["top1_floor"]
+    assert gate["steps"] > 100 and gate["worst_site"].startswith("body.layers.")
+
+
+def test_requests_in_any_order_decode_identically(tiny_fp8_engine, tiny_ckpt):
+    backend = OrtBackend(EngineDir(tiny_fp8_engine), "cpu")
+    tok = HiggsTokenizer(tiny_ckpt / "tokenizer.json")
+    a, b = build_prompt(tok, "First request, with numbers 1 2 3."), build_prompt(tok, "Second!")
+    forward = [generate(backend, [p], Sampling())[0].frames for p in (a, b)]
+    backward = [generate(backend, [p], Sampling())[0].frames for p in (b, a)][::-1]
+    assert all(np.array_equal(x, y) and len(x) for x, y in zip(forward, backward))
+
+
+def test_gate_refuses_a_build_below_its_floor(tiny_ckpt, tiny_calibration, tmp_path):
+    out = tmp_path / "e"
+    with pytest.raises(HiggsError, match=r"refused by the accuracy gate.*worst site body\.layers\."):
+        export_engine(tiny_ckpt, out, max_seq=96, max_prompt=48, say=lambda m: None, precision="fp8",
+                      calibration=tiny_calibration, gate=(0.999999, 0.8))
+    assert not out.exists() and not list(tmp_path.glob(".e.*"))

@@ -1,0 +1,107 @@
+"""TensorRT builds in CI: TensorRT-RTX parses our graphs and builds real plans for SM89 on a CPU-only machine."""
+
+import json
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from higgs_trt.builder.tiny import write_random_checkpoint
+from higgs_trt.builder.trt_build import build
+from higgs_trt.runtime.cli import main
+from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.manifest import EngineDir
+
+if os.environ.get("HIGGS_REQUIRE_RTX") != "1":  # CI sets it, so a broken install fails instead of skipping
+    pytest.importorskip("tensorrt_rtx_bindings")
+
+LIMITS = {"max_seq": 160, "max_batch": 4, "max_prompt": 96}  # those of the tiny_engine fixture: its ONNX is reused
+NATIVE_LAYERS = {"ROTARY_EMBEDDING", "KV_CACHE_UPDATE", "ATTENTION_INPUT", "ATTENTION_OUTPUT", "TOPK"}
+
+
+@pytest.fixture(scope="module")
+def built(tiny_ckpt, tiny_engine, tmp_path_factory):
+    out = tmp_path_factory.mktemp("built") / "engine"
+    shutil.copytree(tiny_engine, out)
+    messages = []
+    build(tiny_ckpt, out, "bf16", "sm89", False, LIMITS, messages.append)
+    return out, messages
+
+
+def test_native_layers_are_in_the_built_network(built):
+    out, messages = built
+    assert any("reusing the ONNX graphs" in m for m in messages)  # the export was not repeated
+    m = EngineDir(out).manifest
+    layers = m["engines"]["lm"]["layers"]
+    assert NATIVE_LAYERS <= set(layers), layers
+    assert layers["ROTARY_EMBEDDING"] == 4 and layers["KV_CACHE_UPDATE"] == 4  # q,k per layer; k,v per layer
+    assert "DECONVOLUTION" in m["engines"]["codec"]["layers"]
+
+
+def test_plans_and_manifest(built):
+    out, _ = built
+    m = EngineDir(out).manifest
+    assert m["build"]["builder"] == "tensorrt-rtx" and m["build"]["target"] == "sm89" and m["build"]["version"]
+    assert m["precision"] == "bf16"
+    for key in ("lm", "codec"):
+        plan = out / m["engines"][key]["file"]
+        assert plan.stat().st_size > 1 << 20 and len(set(plan.read_bytes()[:4096])) > 16
+        assert m["files"][plan.name]["bytes"] == plan.stat().st_size
+    prefill, decode = m["engines"]["lm"]["profiles"]  # in profile-index order
+    assert (prefill["name"], decode["name"]) == ("prefill", "decode")
+    assert prefill["shapes"]["input_ids"] == [[1, 1], [1, 64], [4, 96]]
+    assert decode["shapes"]["audio_codes"] == [[1, 1, 8], [1, 1, 8], [4, 1, 8]]
+    assert decode["shapes"]["past_key_0"][2] == [4, 2, 160, 16]  # static S_max cache
+
+
+def test_trt_backend_refusals_on_this_machine(built, tiny_engine):
+    from higgs_trt.runtime.trt_backend import TrtBackend
+
+    with pytest.raises(HiggsError, match="no TensorRT engines"):
+        TrtBackend(EngineDir(tiny_engine))
+    with pytest.raises(HiggsError, match="needs an NVIDIA GPU"):  # RTX plans need TensorRT-RTX and a GPU
+        TrtBackend(EngineDir(built[0]))
+
+
+def test_corrupted_plan_is_refused(built, tmp_path):
+    out = shutil.copytree(built[0], tmp_path / "e")
+    plan = out / "lm.plan"
+    data = bytearray(plan.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    plan.write_bytes(bytes(data))
+    with pytest.raises(HiggsError, match="lm.plan does not match the manifest"):
+        EngineDir(out)
+
+
+def test_bad_build_requests(tiny_ckpt, tmp_path):
+    with pytest.raises(HiggsError, match="unknown target 'sm90'"):
+        build(tiny_ckpt, tmp_path / "e", "bf16", "sm90", False, LIMITS, print)
+    assert not (tmp_path / "e").exists()  # refused before any export
+    r = CliRunner().invoke(main, ["build", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "e"),
+                                  "--target", "sm89", "--lean"])
+    assert r.exit_code == 1 and "tensorrt_lean" in r.stderr
+
+
+def test_a_build_for_another_checkpoint_re_exports(built, tmp_path):
+    other = write_random_checkpoint(tmp_path / "other", seed=1)
+    out = shutil.copytree(built[0], tmp_path / "e")
+    before = EngineDir(out).fingerprint
+    messages = []
+    build(other, out, "bf16", "sm89", False, LIMITS, messages.append)
+    assert any(m.startswith("exporting") for m in messages)
+    assert EngineDir(out).fingerprint != before
+    assert json.loads((out / "manifest.json").read_text())["engines"]["lm"]["file"] == "lm.plan"
+
+
+def test_fp8_engines_build_with_fp8_layers(tiny_ckpt, tiny_fp8_engine, tiny_calibration, tmp_path):
+    out = shutil.copytree(tiny_fp8_engine, tmp_path / "fp8")
+    messages = []
+    build(tiny_ckpt, out, "fp8", "sm89", False, LIMITS, messages.append, calibration=tiny_calibration)
+    assert any("reusing the ONNX graphs" in m for m in messages)
+    m = EngineDir(out).manifest
+    lm = m["engines"]["lm"]
+    assert lm["graph"] == "lm_fp8" and m["precision"] == "fp8"
+    assert lm["layers"]["QUANTIZE"] == 2 * 4 and lm["layers"]["DEQUANTIZE"] == 2 * 4 + 2 * 7 + 1
+    assert NATIVE_LAYERS <= set(lm["layers"])
+    assert (out / "lm.plan").stat().st_size > 1 << 20 and (out / "codec.plan").stat().st_size > 1 << 20
