@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS ?= builder,ort,compare,rtx,test
+EXTRAS ?= builder,ort,compare,rtx,gpu,test
 DEMO_TEXT ?= Hello! This is Higgs Audio on a tiny random checkpoint.
 
 .PHONY: demo test install clean
@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	@# TensorRT-RTX 1.7's parser dlopen()s libtensorrt_rtx.so, but its wheel ships only the .so.1 (plugins/rtx_build.py)
+	$(BIN)/python -c "import importlib.util as u, os; d = next(iter(u.find_spec('tensorrt_rtx_libs').submodule_search_locations)); l = os.path.join(d, 'libtensorrt_rtx.so'); os.path.lexists(l) or os.symlink('libtensorrt_rtx.so.1', l)"
 	touch $@
 
 demo: install

@@ -58,14 +58,34 @@ def _quiet():
         logger.setLevel(level)
 
 
-def _export(module, args, input_names, output_names, dynamic_shapes) -> ir.Model:
+def _export(module, args, input_names, output_names, dynamic_shapes, translations=ONNX_TRANSLATIONS) -> ir.Model:
     with _quiet():
         program = torch.onnx.export(module, args, dynamo=True, opset_version=ONNX_OPSET, optimize=False,
                                     input_names=input_names, output_names=output_names,
-                                    dynamic_shapes=dynamic_shapes, custom_translation_table=ONNX_TRANSLATIONS)
+                                    dynamic_shapes=dynamic_shapes, custom_translation_table=translations)
         model = program.model
         onnxscript.optimizer.optimize(model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT)
     return model
+
+
+def attach_plugin_functions(model: ir.Model) -> None:
+    """Give the plugin nodes their reference bodies (model-local functions), so ONNX Runtime runs the file, and
+    their outputs the types the exporter cannot infer for a custom op."""
+    from higgs_trt.plugins import schemas
+
+    model.opset_imports[schemas.DOMAIN] = schemas.VERSION
+    for proto in schemas.functions():
+        function = ir.serde.deserialize_function(proto)
+        model.functions[function.identifier()] = function
+    for node in model.graph:
+        if node.domain != schemas.DOMAIN:
+            continue
+        if node.op_type == "rope_kv_write":  # q_out like q; the caches like their inputs
+            types = [node.inputs[0].type, node.inputs[6].type, node.inputs[7].type]
+        else:  # codes int32; the embedding like the table
+            types = [ir.TensorType(ir.DataType.INT32), node.inputs[3].type]
+        for value, type_ in zip(node.outputs, types):
+            value.type = type_
 
 
 def export_lm(model: HiggsLM) -> ir.Model:
@@ -78,7 +98,11 @@ def export_lm(model: HiggsLM) -> ir.Model:
     dynamic = {"input_ids": seq, "audio_codes": seq, "is_audio": seq, "write_pos": batch, "new_len": batch,
                "row_index": batch, "end_frame": batch, "caches": tuple(batch for _ in args[-1])}
     past, present = cache_names(model.cfg.num_layers)
-    return _export(model, args, [*LM_STEP_INPUTS, *past], ["logits", "codes", *present], dynamic)
+    onnx_model = _export(model, args, [*LM_STEP_INPUTS, *past], ["logits", "codes", *present], dynamic,
+                         model.ops.translations)
+    if model.ops.name == "plugin":
+        attach_plugin_functions(onnx_model)
+    return onnx_model
 
 
 def export_codec(codec: CodecDecoder) -> ir.Model:
@@ -205,6 +229,8 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
         graphs = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
         shutil.copy(tokenizer, staging / "tokenizer.json")
         files = [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"]
+        plugins = _plugin_kernels(ckpt, staging, say) if ops.name == "plugin" else None
+        files += [p["file"] for p in (plugins or {}).values()]
         manifest = {
             "checkpoint": {"fingerprint": fingerprint, "source": str(checkpoint_dir.resolve())},
             "model": ckpt.config.to_dict(),
@@ -213,6 +239,8 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
             "limits": {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt},
             "graphs": graphs,
         }
+        if plugins:
+            manifest["plugins"] = plugins
         if scales:
             write_calibration(scales, staging / "calibration.json")
             files.append("calibration.json")
@@ -227,6 +255,23 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
+    """PTX of both plugin kernels for this model's dimensions, written beside the graphs (TensorRT embeds it)."""
+    from higgs_trt.runtime import extras
+
+    with extras.needed("gpu", "--ops plugin (compiling its Triton kernels to PTX)"):
+        from higgs_trt.plugins.aot import TARGET, compile_kernel, constants_for
+    cfg, plugins = ckpt.config, {}
+    for op in ("rope_kv_write", "delayed_codebook_step"):
+        kernel = compile_kernel(op, constants_for(op, cfg.head_dim, cfg.hidden_size, cfg.codebook_vocab, cfg.num_codebooks))
+        (staging / f"{op}.ptx").write_text(kernel.ptx)
+        plugins[op] = {"file": f"{op}.ptx", "namespace": "higgs", "version": "1", "entry": kernel.entry,
+                       "threads": kernel.threads, "shared": kernel.shared, "constants": kernel.constants,
+                       "target": f"sm_{TARGET[1]}", "ptx_sha256": kernel.sha256}
+        say(f"  {op}.ptx: {len(kernel.ptx)} bytes for sm_{TARGET[1]} (sha256 {kernel.sha256[:12]}…)")
+    return plugins
 
 
 def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scales: dict | None) -> dict:

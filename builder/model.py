@@ -183,4 +183,4 @@ class HiggsLM(nn.Module):
         last = h[torch.arange(h.shape[0], device=h.device), new_len - 1]
         logits = F.linear(last, self.audio_table.to(self.dtype)).float()
         logits = logits.view(-1, self.cfg.num_codebooks, self.cfg.codebook_vocab)
-        return logits, self.ops.codebook_step(logits, row_index, end_frame), *caches
+        return logits, self.ops.codebook_step(logits, row_index, end_frame, self.audio_table), *caches

@@ -41,6 +41,7 @@ class NativeOps:
     """Standard-ONNX form of the two fused steps (the `--ops native` path)."""
 
     name = "native"
+    translations = ONNX_TRANSLATIONS
 
     @staticmethod
     def rope_cache_attention(q, k, v, cos, sin, positions, write_pos, k_cache, v_cache, mask):
@@ -56,7 +57,7 @@ class NativeOps:
         return out, k_cache, v_cache
 
     @staticmethod
-    def codebook_step(logits, row_index, end_frame):
+    def codebook_step(logits, row_index, end_frame, table=None):
         """logits [B,K,V] fp32 → codes [B,K] int32: argmax (lowest index on ties) + the delay mask."""
         codebook = torch.arange(logits.shape[1], device=logits.device)[None, :]
         row = row_index[:, None]

@@ -25,8 +25,8 @@ SIZES = {  # text_config dimensions (vocab None: the tokenizer's size) and codec
     "tiny": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 128, "vocab_size": None},
              {"latent": 32, "acoustic": 16, "codebook_dim": 8, "channels": (64, 32, 16, 8, 4, 2)}),
-    "mid": ({"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4,
-             "head_dim": 128, "intermediate_size": 3584, "vocab_size": 16384}, REAL_CODEC),
+    "mid": ({"hidden_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
+             "head_dim": 128, "intermediate_size": 5376, "vocab_size": 16384}, REAL_CODEC),
     "real": ({"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
               "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936}, REAL_CODEC),
 }

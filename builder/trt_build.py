@@ -97,14 +97,26 @@ def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str |
     trt = trt_shim.load("rtx" if target else "tensorrt")
     limits = manifest["limits"]
     engines = {}
+    plugins = manifest["ops"] == "plugin"
+    if plugins:  # keep the registered creators alive until the builds are done
+        from higgs_trt.plugins import qdp, rtx_build
+
+        registered = rtx_build.register(trt) if target else qdp.register(engine_dir, manifest)
     for key, graph, ranges in (("lm", lm_graph, lm_ranges(limits)), ("codec", "codec", codec_ranges(limits))):
         io = manifest["graphs"][graph]
         profiles = profiles_for(io, ranges)
         names = ", ".join(p["name"] for p in profiles)
         say(f"  building {PLANS[key]} from {io['file']} ({names} profile{'s' * (len(profiles) > 1)})…")
+        onnx_path = engine_dir / io["file"]
+        if plugins and key == "lm":
+            onnx_path = _without_plugin_functions(onnx_path)
         # TensorRT-RTX has no timing cache (its cache calls are no-ops that log CUDA errors without a GPU)
-        plan = build_plan(trt, engine_dir / io["file"], profiles, target, lean,
-                          None if target else engine_dir / TIMING_CACHE, tuple(manifest.get("preview_features", ())))
+        try:
+            plan = build_plan(trt, onnx_path, profiles, target, lean, None if target else engine_dir / TIMING_CACHE,
+                              ("ALIASED_PLUGIN_IO_10_03",) if plugins and key == "lm" else ())
+        finally:
+            if onnx_path != engine_dir / io["file"]:
+                onnx_path.unlink()
         tmp = engine_dir / f".{PLANS[key]}.tmp"
         tmp.write_bytes(plan.data)
         tmp.replace(engine_dir / PLANS[key])
@@ -113,11 +125,26 @@ def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str |
         say(f"  {PLANS[key]}: {len(plan.data) / 2**20:.1f} MiB in {plan.seconds:.1f} s")
     build = {"builder": "tensorrt-rtx" if target else "tensorrt", "version": trt.__version__,
              "target": target or "local-gpu", "lean": lean}
+    if plugins:
+        build["plugins"] = "build-only twins (plugins/rtx_build.py): do not run" if target else "QDP AOT (PTX in the plan)"
+        del registered
     return {"engines": engines, "build": build}
 
 
+def _without_plugin_functions(path: Path) -> Path:
+    """A copy of the graph without the plugin nodes' reference bodies, beside it (its external data resolves)."""
+    import onnx
+
+    from higgs_trt.plugins.schemas import strip_functions
+
+    model = strip_functions(onnx.load(path, load_external_data=False))
+    stripped = path.with_name(f".{path.stem}.for-tensorrt.onnx")
+    onnx.save(model, stripped)
+    return stripped
+
+
 def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean: bool, limits: dict, say,
-          calibration: Path | None = None, gate: tuple[float, float] | None = None) -> Path:
+          calibration: Path | None = None, gate: tuple[float, float] | None = None, ops: str = "native") -> Path:
     """Export (reusing the engine directory's graphs when nothing they depend on changed), then build."""
     from higgs_trt.runtime.manifest import EngineDir, write_manifest
 
@@ -129,11 +156,11 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
     if lean and target:
         raise HiggsError("--lean makes plans for tensorrt_lean, which TensorRT-RTX plans cannot use; drop --target")
     fingerprint = Checkpoint(checkpoint).fingerprint()
-    engine = _reusable(out, fingerprint, limits, precision, calibration)
+    engine = _reusable(out, fingerprint, limits, precision, calibration, ops)
     if engine is None:
         say(f"exporting {checkpoint} → {out}")
         export_engine(checkpoint, out, limits["max_seq"], limits["max_batch"], limits["max_prompt"], say=say,
-                      precision=precision, calibration=calibration, gate=gate)
+                      precision=precision, calibration=calibration, gate=gate, ops=op_path(ops))
         engine = EngineDir(out)
     else:
         say(f"reusing the ONNX graphs in {out} (same checkpoint, limits, precision and tool version)")
@@ -145,7 +172,18 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
     return out
 
 
-def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibration: Path | None):
+def op_path(ops: str):
+    """The exporter's ops object for `--ops native|plugin`."""
+    if ops == "plugin":
+        from higgs_trt.plugins.ops import PluginOps
+
+        return PluginOps
+    from .ops import NativeOps
+
+    return NativeOps
+
+
+def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibration: Path | None, ops: str):
     """The existing engine directory at `out`, if its graphs are what this build would export."""
     import json
 
@@ -159,7 +197,7 @@ def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibra
         return None  # damaged or stale: export again
     m = engine.manifest
     same = (m["checkpoint"]["fingerprint"] == fingerprint and m["limits"] == limits and m["precision"] == precision
-            and m["tool_version"] == tool_version())
+            and m["ops"] == ops and m["tool_version"] == tool_version())
     if same and calibration is not None:
         try:
             wanted = json.loads(Path(calibration).read_text()).get("content_sha256")

@@ -190,6 +190,17 @@ def bench_build(checkpoint, target, max_seq, workdir):
         click.echo(f"fp8 / bf16 lm.plan size: {sizes['fp8'] / sizes['bf16']:.3f}")
 
 
+@bench.command("kernels")
+def bench_kernels():
+    """Plugin kernels vs the torch eager ops they replace, and vs the device's copy bandwidth (needs a GPU)."""
+    from . import extras
+
+    with extras.needed("gpu", "bench kernels"):
+        from higgs_trt.plugins.bench import run as run_kernel_bench
+    for line in run_kernel_bench():
+        click.echo(line)
+
+
 @bench.command("export")
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
 @click.option("--max-seq", type=int, default=2048, show_default=True)
@@ -236,8 +247,9 @@ def fp8_options(command):
 @main.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
 @click.option("--out", type=click.Path(path_type=Path), help="Engine directory [default: engines/<checkpoint name>].")
-@click.option("--ops", type=click.Choice(["native"]), default="native", show_default=True,
-              help="native: RoPE/KV-cache/attention as ONNX RotaryEmbedding/TensorScatter/Attention.")
+@click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
+              help="native: RoPE/KV-cache/attention and the codebook step as standard ONNX ops TensorRT maps to its own "
+                   "layers; plugin: the higgs::rope_kv_write and higgs::delayed_codebook_step plugins (Triton kernels).")
 @click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache rows (prompt + generated rows).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the engines take.")
 @click.option("--max-prompt", type=int, default=512, show_default=True, help="Longest prompt (prefill) in tokens.")
@@ -248,17 +260,20 @@ def export(checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, cali
 
     with extras.needed("builder", "export"):
         from higgs_trt.builder.export import export_engine
+        from higgs_trt.builder.trt_build import op_path
     out = out or Path("engines") / checkpoint.resolve().name
     say(f"exporting {checkpoint} → {out}")
     t0 = time.perf_counter()
-    export_engine(checkpoint, out, max_seq, max_batch, max_prompt, say=say, precision=precision,
-                  calibration=calibration, gate=(gate_cosine, gate_top1))
+    export_engine(checkpoint, out, max_seq, max_batch, max_prompt, op_path(ops), say, precision, calibration,
+                  (gate_cosine, gate_top1))
     say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
 
 
 @main.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
 @click.option("--out", type=click.Path(path_type=Path), help="Engine directory [default: engines/<checkpoint name>].")
+@click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
+              help="See `export --help`. Plugin plans built with --target hold build-only plugin twins: not runnable.")
 @click.option("--target", help=f"Build with TensorRT-RTX for this compute capability, no GPU needed "
                                f"({', '.join(trt_shim.TARGETS)}). Default: datacenter TensorRT for the local GPU.")
 @click.option("--lean", is_flag=True, help="VERSION_COMPATIBLE plans without the lean runtime, for tensorrt_lean.")
@@ -266,7 +281,8 @@ def export(checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, cali
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the engines take.")
 @click.option("--max-prompt", type=int, default=512, show_default=True, help="Longest prompt (prefill) in tokens.")
 @fp8_options
-def build(checkpoint, out, target, lean, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine, gate_top1):
+def build(checkpoint, out, ops, target, lean, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine,
+          gate_top1):
     """Export (or reuse) the ONNX graphs and build TensorRT engines into an engine directory."""
     from . import extras
 
@@ -275,7 +291,7 @@ def build(checkpoint, out, target, lean, max_seq, max_batch, max_prompt, precisi
     out = out or Path("engines") / checkpoint.resolve().name
     t0 = time.perf_counter()
     limits = {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt}
-    build_engine_dir(checkpoint, out, precision, target, lean, limits, say, calibration, (gate_cosine, gate_top1))
+    build_engine_dir(checkpoint, out, precision, target, lean, limits, say, calibration, (gate_cosine, gate_top1), ops)
     say(f"built {out} in {time.perf_counter() - t0:.1f} s")
 
 
@@ -301,6 +317,46 @@ def calibrate(checkpoint, out, statistic):
 
 
 @main.command()
+@click.option("--engine", type=click.Path(path_type=Path), required=True, help="Engine directory.")
+@click.option("--checkpoint", type=click.Path(path_type=Path),
+              help="The engine's checkpoint (for the torch runner; checked against the manifest).")
+@click.option("--runners", default="torch,ort,trt", show_default=True,
+              help="Comma-separated, the first is the reference; trt is skipped where TensorRT is not usable.")
+@click.option("--prompts", type=click.Path(path_type=Path),
+              help='JSON list of {"text": ..., optional "ref_text", "ref_codes"} [default: the built-in held-out prompts].')
+@click.option("--steps", type=int, default=32, show_default=True, help="Teacher-forced decode steps per prompt.")
+@click.option("--save", type=click.Path(path_type=Path),
+              help="Write inputs.json / outputs.json (Polygraphy's format) and report.json here.")
+def compare(engine, checkpoint, runners, prompts, steps, save):
+    """Compare torch, ONNX Runtime and TensorRT on the same teacher-forced decode steps (Polygraphy)."""
+    import json
+
+    from . import extras
+    from .prompt import HiggsTokenizer
+
+    with extras.needed("compare", "compare"):
+        from higgs_trt.builder.compare import compare as run_compare
+        from higgs_trt.builder.compare import summary
+        from higgs_trt.calibration.calibrate import build_prompts, prompt_set
+    if prompts is None:
+        items = prompt_set()["heldout"]
+    else:
+        try:
+            items = json.loads(Path(prompts).read_text())
+        except (OSError, ValueError) as e:
+            raise HiggsError(f"{prompts}: unreadable prompts file ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(p, dict) and "text" in p for p in items):
+            raise HiggsError(f'{prompts}: expected a JSON list of {{"text": ...}} objects')
+    prompt_list = build_prompts(HiggsTokenizer(Path(engine) / "tokenizer.json"), items)
+    report = run_compare(engine, checkpoint, [r.strip() for r in runners.split(",") if r.strip()], prompt_list,
+                         steps, save, say)
+    for line in summary(report):
+        click.echo(line)
+    if not report["passed"]:
+        raise click.exceptions.Exit(1)
+
+
+@main.command()
 def doctor():
     """What TensorRT / TensorRT-RTX / lean runtime / ONNX Runtime / GPU this machine has, and what works here."""
     from .doctor import report
@@ -320,7 +376,7 @@ def doctor():
 @click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True,
               help="1: a single model.safetensors; more: sharded with model.safetensors.index.json.")
 @click.option("--size", type=click.Choice(["tiny", "mid", "real"]), default="tiny", show_default=True,
-              help="tiny: CI-sized; mid: 12 layers, hidden 1024 (~0.4 GB); real: Higgs v3 dimensions (~9 GB).")
+              help="tiny: CI-sized; mid: 12 layers, hidden 1536 (~0.8 GB); real: Higgs v3 dimensions (~9 GB).")
 def tiny_checkpoint(out_dir, seed, shards, size):
     """Write a random checkpoint in the real Higgs v3 layout (tiny by default: for tests and the README demo)."""
     from . import extras

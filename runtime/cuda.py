@@ -17,12 +17,10 @@ def _rt():
 
 
 def check(result, what: str = "CUDA call"):
-    """cuda-python returns (error, *values); raise on error, return the value(s)."""
-    rt = _rt()
+    """cuda-python returns (error, *values) for runtime and driver calls alike; raise on error, else the value(s)."""
     err, *values = result if isinstance(result, tuple) else (result,)
-    if err != rt.cudaError_t.cudaSuccess:
-        _, text = rt.cudaGetErrorString(err)
-        raise HiggsError(f"{what} failed: {err.name} ({text.decode() if isinstance(text, bytes) else text})")
+    if int(err) != 0:
+        raise HiggsError(f"{what} failed: {getattr(err, 'name', err)}")
     return values[0] if len(values) == 1 else (tuple(values) or None)
 
 
@@ -30,7 +28,7 @@ def device_count() -> int:
     """GPUs visible through the CUDA runtime (0 without a driver or GPU; never raises)."""
     try:
         err, n = _rt().cudaGetDeviceCount()
-        return n if err == _rt().cudaError_t.cudaSuccess else 0
+        return n if int(err) == 0 else 0
     except HiggsError:
         return 0
 

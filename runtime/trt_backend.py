@@ -37,6 +37,9 @@ class TrtBackend:
         m = engine.manifest
         if "engines" not in m:
             raise HiggsError(f"{engine.path}: no TensorRT engines; build them with `higgs-trt build`")
+        if m["build"].get("plugins", "").startswith("build-only"):
+            raise HiggsError(f"{engine.path}: its plugins are TensorRT-RTX build-only twins (a CI build check); "
+                             "build with datacenter TensorRT to run --ops plugin engines")
         self.trt = trt = trt_shim.load(flavour_for(m["build"], flavour))
         if cuda.device_count() == 0:
             raise HiggsError("the TensorRT backend needs an NVIDIA GPU (none visible to CUDA)")

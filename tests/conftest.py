@@ -49,3 +49,28 @@ def tiny_fp8_engine(tiny_ckpt, tiny_calibration, tmp_path_factory) -> Path:
 
     return export_engine(tiny_ckpt, tmp_path_factory.mktemp("engine8") / "tiny8", max_seq=160, max_batch=4,
                          max_prompt=96, say=lambda msg: None, precision="fp8", calibration=tiny_calibration)
+
+
+@pytest.fixture(scope="session")
+def tiny_plugin_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny checkpoint exported with the plugin op path (same limits as tiny_engine). Read-only."""
+    from higgs_trt.builder.export import export_engine
+    from higgs_trt.plugins.ops import PluginOps
+
+    return export_engine(tiny_ckpt, tmp_path_factory.mktemp("engine_plugin") / "tinyp", max_seq=160, max_batch=4,
+                         max_prompt=96, ops=PluginOps, say=lambda msg: None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run on a machine with an NVIDIA GPU and torch built with CUDA; elsewhere they are skipped."""
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the GPU host)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

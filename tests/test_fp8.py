@@ -96,9 +96,12 @@ def test_requests_in_any_order_decode_identically(tiny_fp8_engine, tiny_ckpt):
     assert all(np.array_equal(x, y) and len(x) for x, y in zip(forward, backward))
 
 
-def test_gate_refuses_a_build_below_its_floor(tiny_ckpt, tiny_calibration, tmp_path):
+def test_gate_refuses_badly_scaled_fp8_with_its_default_floors(tiny_ckpt, tiny_calibration, tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text(tiny_calibration.read_text())
+    reseal(broken, lambda c: c["activation_amax"].update({k: v / 1000 for k, v in c["activation_amax"].items()}))
     out = tmp_path / "e"
     with pytest.raises(HiggsError, match=r"refused by the accuracy gate.*worst site body\.layers\."):
         export_engine(tiny_ckpt, out, max_seq=96, max_prompt=48, say=lambda m: None, precision="fp8",
-                      calibration=tiny_calibration, gate=(0.999999, 0.8))
+                      calibration=broken)
     assert not out.exists() and not list(tmp_path.glob(".e.*"))

@@ -105,3 +105,21 @@ def test_fp8_engines_build_with_fp8_layers(tiny_ckpt, tiny_fp8_engine, tiny_cali
     assert lm["layers"]["QUANTIZE"] == 2 * 4 and lm["layers"]["DEQUANTIZE"] == 2 * 4 + 2 * 7 + 1
     assert NATIVE_LAYERS <= set(lm["layers"])
     assert (out / "lm.plan").stat().st_size > 1 << 20 and (out / "codec.plan").stat().st_size > 1 << 20
+
+
+def test_plugin_path_builds_with_plugin_layers(tiny_ckpt, tiny_plugin_engine, tmp_path):
+    pytest.importorskip("triton")
+    out = shutil.copytree(tiny_plugin_engine, tmp_path / "plugin")
+    messages = []
+    build(tiny_ckpt, out, "bf16", "sm89", False, LIMITS, messages.append, ops="plugin")
+    assert any("reusing the ONNX graphs" in m for m in messages)
+    m = EngineDir(out).manifest
+    layers = m["engines"]["lm"]["layers"]
+    assert layers["PLUGIN_V3"] == 2 + 1  # rope_kv_write per layer, one delayed_codebook_step
+    assert not {"ROTARY_EMBEDDING", "KV_CACHE_UPDATE", "TOPK"} & set(layers)
+    assert {"ATTENTION_INPUT", "ATTENTION_OUTPUT"} <= set(layers)
+    assert m["build"]["plugins"].startswith("build-only") and not list(out.glob(".*for-tensorrt.onnx"))
+    from higgs_trt.runtime.trt_backend import TrtBackend
+
+    with pytest.raises(HiggsError, match="build-only twins"):
+        TrtBackend(EngineDir(out))

@@ -1,0 +1,271 @@
+"""`higgs-trt compare`: the same teacher-forced decode through several runners, compared with Polygraphy.
+
+Feeds are built from a reference run (the torch reference when a checkpoint is given, else ONNX Runtime): a
+prefill of each prompt, then N decode steps fed the reference's own rows. Each feed carries the KV caches the
+reference had at that step, so every runner computes one step from the same state (errors cannot pile up and
+a cache bug shows at the step it happens) and every feed replays on its own, also with Polygraphy's CLI.
+
+Runners: `torch` (the reference, fp32 math on the checkpoint's bf16 weights), `ort` (ONNX Runtime on the
+engine's fp32 twin: lm.ref.onnx, or lm.fp8.ref.onnx for FP8 engines) and `trt` (TensorRT on lm.plan; needs the
+`tensorrt` module and a GPU, so it has not run here). Polygraphy's Comparator runs them and checks logits and
+caches against the first runner with per-precision tolerances; codes are compared as per-codebook agreement.
+"""
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.generate import NO_END, prefill_feeds, step_feeds
+from higgs_trt.runtime.manifest import EngineDir
+
+# (atol, rtol, min cosine) per compared pair: an output passes when every element is within atol + rtol·|ref| and
+# its cosine to the reference is at least `min cosine`. Twin vs torch is the same fp32 math; FP8 adds quantization
+# (logits max |Δ| 1.3, cosine ≥ 0.9967 on the tiny checkpoint; README); a TensorRT engine rounds activations to
+# bf16 (about 1e-2 relative, per onnx-polygraphy-notes; not measured here).
+TOLERANCES = {"fp32": (1e-4, 1e-4, 0.99999), "fp8": (3.0, 0.5, 0.99), "trt-bf16": (0.25, 0.1, 0.999),
+              "trt-fp8": (3.0, 0.5, 0.99)}
+
+
+def _runner_base():
+    from polygraphy.backend.base import BaseRunner
+
+    return BaseRunner
+
+
+class TorchRunner(_runner_base()):
+    """The torch reference as a Polygraphy runner: one stateless lm call per feed (caches in the feed)."""
+
+    def __init__(self, checkpoint: Path, max_seq: int, num_layers: int):
+        super().__init__(name="torch")
+        self.checkpoint, self.max_seq, self.num_layers = checkpoint, max_seq, num_layers
+
+    def activate_impl(self):
+        import torch
+
+        from .checkpoint import Checkpoint
+        from .model import HiggsLM
+
+        self.torch = torch
+        self.model = HiggsLM.from_checkpoint(Checkpoint(self.checkpoint), self.max_seq, torch.float32)
+
+    def get_input_metadata_impl(self):
+        from polygraphy.common import TensorMetadata
+
+        meta = TensorMetadata()
+        for name, dtype, shape in _lm_inputs(self.num_layers):
+            meta.add(name, dtype, shape)
+        return meta
+
+    def infer_impl(self, feed_dict):
+        t0 = time.perf_counter()
+        torch = self.torch
+        feeds = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feed_dict.items()}
+        caches = tuple(feeds.pop(n) for n, _, _ in _lm_inputs(self.num_layers) if n.startswith("past_"))
+        with torch.inference_mode():
+            logits, codes, *present = self.model(**feeds, caches=caches)
+        names = [n.replace("past_", "present_") for n, _, _ in _lm_inputs(self.num_layers) if n.startswith("past_")]
+        self.inference_time = time.perf_counter() - t0
+        return {"logits": logits.numpy(), "codes": codes.numpy(), **{n: c.numpy() for n, c in zip(names, present)}}
+
+    def deactivate_impl(self):
+        del self.model
+
+
+def _lm_inputs(num_layers: int):
+    ints = [("input_ids", np.int32, ("batch", "seq")), ("audio_codes", np.int32, ("batch", "seq", 8)),
+            ("is_audio", np.bool_, ("batch", "seq"))]
+    ints += [(n, np.int64, ("batch",)) for n in ("write_pos", "new_len", "row_index", "end_frame")]
+    caches = [(f"past_{kv}_{i}", np.float32, ("batch", "heads", "max_seq", "head_dim"))
+              for i in range(num_layers) for kv in ("key", "value")]
+    return ints + caches
+
+
+class TrtPlanRunner(_runner_base()):
+    """lm.plan through Polygraphy's TrtRunner (prefill profile, which also takes S = 1), caches fed as bf16."""
+
+    def __init__(self, plan: Path):
+        super().__init__(name="trt")
+        self.plan = plan
+
+    def activate_impl(self):
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+        self.inner = TrtRunner(EngineFromBytes(self.plan.read_bytes()), optimization_profile=0)
+        self.inner.activate()
+
+    def get_input_metadata_impl(self):
+        return self.inner.get_input_metadata()
+
+    def infer_impl(self, feed_dict):
+        import torch
+
+        feeds = {k: torch.from_numpy(v).to(torch.bfloat16).cuda() if k.startswith("past_") else v
+                 for k, v in feed_dict.items()}
+        out = self.inner.infer(feeds)
+        self.inference_time = self.inner.last_inference_time()
+        return {k: (v.float().cpu().numpy() if hasattr(v, "cpu") else np.asarray(v, np.float32) if k != "codes" else v)
+                for k, v in out.items()}
+
+    def deactivate_impl(self):
+        self.inner.deactivate()
+
+
+def reference_feeds(engine: EngineDir, checkpoint: Path | None, prompts, steps: int) -> list[dict]:
+    """Prefill + `steps` teacher-forced step feeds per prompt, each with the caches the reference had then."""
+    layers = engine.manifest["model"]["num_layers"]
+    max_seq = engine.manifest["limits"]["max_seq"]
+    cache_shape = next(t["shape"] for t in engine.graph("lm_ref")["inputs"] if t["name"] == "past_key_0")[1:]
+    with _reference(engine, checkpoint, layers) as ref:
+        return [feed for prompt in prompts for feed in _teacher_forced(ref, prompt, steps, max_seq, layers, cache_shape)]
+
+
+def _teacher_forced(ref, prompt, steps: int, max_seq: int, layers: int, cache_shape: list) -> list[dict]:
+    from higgs_trt.runtime.decoding import delay_mask
+
+    caches = {n: np.zeros((1, *cache_shape), np.float32) for n, _, _ in _lm_inputs(layers) if n.startswith("past_")}
+    feed, feeds = {**prefill_feeds([prompt]), **caches}, []
+    for row in range(min(steps, max_seq - len(prompt)) + 1):
+        feeds.append(feed)
+        out = ref(feed)
+        codes = delay_mask(out["codes"], np.array([row]), np.array([NO_END]))
+        caches = {n: out[n.replace("past_", "present_")] for n in caches}
+        feed = {**step_feeds(codes, np.array([len(prompt) + row]), row + 1, np.array([NO_END])), **caches}
+    return feeds
+
+
+@contextlib.contextmanager
+def _reference(engine: EngineDir, checkpoint: Path | None, layers: int):
+    """A feed → outputs function: the torch reference with a checkpoint, else ONNX Runtime on the twin."""
+    if checkpoint is not None:
+        with TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"], layers) as runner:
+            yield runner.infer_impl
+        return
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(engine.file("lm_ref")), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    yield lambda feed: dict(zip(names, session.run(None, feed)))
+
+
+@dataclass
+class OutputStats:
+    output: str
+    step: int
+    max_abs: float
+    mean_abs: float
+    max_rel: float
+    cosine: float
+    passed: bool
+    agreement: list | None = None  # per codebook, for logits
+
+
+def _stats(name: str, step: int, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float,
+           min_cosine: float) -> OutputStats:
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    diff = np.abs(ref - got)
+    denom = np.sqrt((ref * ref).sum() * (got * got).sum())
+    cosine = float((ref * got).sum() / denom) if denom > 0 else 1.0
+    passed = bool((diff <= atol + rtol * np.abs(ref)).all()) and cosine >= min_cosine
+    agreement = None
+    if name == "logits":
+        agreement = [round(float(x), 4) for x in (ref.argmax(-1) == got.argmax(-1)).reshape(-1, ref.shape[-2]).mean(0)]
+    return OutputStats(name, step, float(diff.max()), float(diff.mean()),
+                       float((diff / np.maximum(np.abs(ref), 1e-6)).max()), cosine, passed, agreement)
+
+
+def compare(engine_dir: Path, checkpoint: Path | None, runners: list[str], prompts, steps: int,
+            save: Path | None, say) -> dict:
+    """Run the comparison; returns the report (also written under `save`). report['passed'] is the verdict."""
+    import onnxruntime
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator
+    from polygraphy.json import save_json
+    from polygraphy.logger import G_LOGGER
+
+    onnxruntime.set_default_logger_severity(3)  # TensorScatter warns on every call that it copies the cache
+    G_LOGGER.module_severity = G_LOGGER.WARNING
+
+    engine = EngineDir(engine_dir)
+    precision = engine.manifest["precision"]
+    if "torch" in runners and checkpoint is None:
+        raise HiggsError("the torch runner needs --checkpoint")
+    if checkpoint is not None:
+        from .checkpoint import Checkpoint
+
+        engine.check_checkpoint(Checkpoint(checkpoint).fingerprint(), checkpoint)
+    available = {}
+    for name in runners:
+        if name == "torch":
+            available[name] = TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"],
+                                          engine.manifest["model"]["num_layers"])
+        elif name == "ort":
+            twin = "lm_fp8_ref" if precision == "fp8" else "lm_ref"
+            available[name] = OnnxrtRunner(SessionFromOnnx(str(engine.file(twin)), providers=["cpu"]), name="ort")
+        elif name == "trt":
+            from higgs_trt.runtime import trt_shim
+
+            module, problem = trt_shim.try_load("tensorrt")
+            if module is None or "engines" not in engine.manifest:
+                say(f"  skipping trt: {'no TensorRT engines in ' + str(engine_dir) if module else problem}")
+                continue
+            available[name] = TrtPlanRunner(engine.path / engine.manifest["engines"]["lm"]["file"])
+        else:
+            raise HiggsError(f"unknown runner {name!r}; choose from torch, ort, trt")
+    if len(available) < 2:
+        raise HiggsError(f"need at least two runners to compare; available here: {', '.join(available) or 'none'}")
+
+    say(f"  building teacher-forced feeds ({steps} steps per prompt, reference: "
+        f"{'torch' if checkpoint else 'ort'})…")
+    feeds = reference_feeds(engine, checkpoint, prompts, steps)
+    say(f"  running {', '.join(available)} on {len(feeds)} feeds…")
+    results = Comparator.run(list(available.values()), data_loader=feeds)
+
+    names = list(available)
+    reference = names[0]
+    rows = []
+    for other in names[1:]:
+        kind = ("trt-" + precision) if other == "trt" else ("fp8" if precision == "fp8" and "ort" in (reference, other)
+                                                          else "fp32")
+        for step, (a, b) in enumerate(zip(results[reference], results[other])):
+            for output in a.keys():
+                if output == "codes":
+                    continue
+                rows.append({"pair": f"{other} vs {reference}", "tolerance": kind,
+                             **_stats(output, step, a[output], b[output], *TOLERANCES[kind]).__dict__})
+    failed = [r for r in rows if not r["passed"]]
+    report = {"engine": str(engine_dir), "precision": precision, "runners": names, "feeds": len(feeds),
+              "tolerances": {k: dict(zip(("atol", "rtol", "min_cosine"), v)) for k, v in TOLERANCES.items()},
+              "passed": not failed, "failures": sorted({f"{r['pair']}: {r['output']}" for r in failed}),
+              "outputs": rows}
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        save_json(feeds, save / "inputs.json")  # Polygraphy's own format: --load-inputs
+        results.save(str(save / "outputs.json"))  # RunResults: --load-outputs
+        (save / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def summary(report: dict) -> list[str]:
+    lines = []
+    for pair in sorted({r["pair"] for r in report["outputs"]}):
+        rows = [r for r in report["outputs"] if r["pair"] == pair]
+        for output in ("logits", *sorted({r["output"] for r in rows} - {"logits"})):
+            sel = [r for r in rows if r["output"] == output]
+            if not sel:
+                continue
+            worst = max(sel, key=lambda r: r["max_abs"])
+            line = (f"{pair:<14} {output:<16} max|Δ| {worst['max_abs']:.3g} (step {worst['step']})  "
+                    f"mean|Δ| {np.mean([r['mean_abs'] for r in sel]):.3g}  "
+                    f"min cos {min(r['cosine'] for r in sel):.6f}  "
+                    f"{'ok' if all(r['passed'] for r in sel) else 'FAIL'}")
+            if output == "logits":
+                agree = np.mean([r["agreement"] for r in sel], axis=0)
+                line += "  top-1 " + " ".join(f"{a:.2f}" for a in agree)
+            lines.append(line)
+    lines.append("PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failures"]))
+    return lines

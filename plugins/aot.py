@@ -1,0 +1,76 @@
+"""Ahead-of-time PTX for the plugin kernels, specialised to one model's dimensions.
+
+Triton compiles for a named GPU target without needing one (checked on CPU-only CI). The PTX goes into the engine
+directory beside the graphs; TensorRT's AOT plugins embed it in the plan, and the GPU tests launch the very same
+PTX through the CUDA driver with TensorRT's argument order.
+
+Triton ≥ 3.3 appends two scratch-buffer pointers to every kernel's parameters. TensorRT passes only the
+plugin's inputs, scalars and outputs, so the two are removed from the PTX entry, after checking that the kernel
+never reads them (no global or profile scratch was allocated).
+"""
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from . import kernels
+
+TARGET = ("cuda", 90, 32)  # Hopper (H100/H200), the datacenter TensorRT target
+SIGNATURES = {
+    "rope_kv_write": ({"q": "*bf16", "k": "*bf16", "v": "*bf16", "cos": "*bf16", "sin": "*bf16", "write_pos": "*i64",
+                       "k_cache_in": "*bf16", "v_cache_in": "*bf16", "seq": "i32", "q_heads": "i32",
+                       "kv_heads": "i32", "max_seq": "i32", "q_out": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
+                       "HALF": "constexpr"}),
+    "delayed_codebook_step": ({"logits": "*fp32", "row_index": "*i64", "end_frame": "*i64", "table": "*bf16",
+                               "codes": "*i32", "embedding": "*bf16", "K": "constexpr", "VOCAB": "constexpr",
+                               "HIDDEN": "constexpr", "BLOCK_V": "constexpr", "BLOCK_H": "constexpr"}),
+}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    op: str
+    entry: str  # the PTX entry name
+    ptx: str
+    threads: int  # block size
+    shared: int  # bytes of dynamic shared memory
+    constants: dict
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.ptx.encode()).hexdigest()
+
+
+def constants_for(op: str, head_dim: int, hidden: int, vocab: int = 1026, codebooks: int = 8) -> dict:
+    if op == "rope_kv_write":
+        return {"HALF": head_dim // 2}
+    return {"K": codebooks, "VOCAB": vocab, "HIDDEN": hidden, "BLOCK_V": triton.next_power_of_2(vocab),
+            "BLOCK_H": min(triton.next_power_of_2(hidden), 512)}
+
+
+def compile_kernel(op: str, constants: dict, target=TARGET) -> CompiledKernel:
+    source = triton.compiler.ASTSource(fn=getattr(kernels, op), signature=SIGNATURES[op], constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget(*target))
+    meta = compiled.metadata
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        raise RuntimeError(f"{op}: kernel needs scratch memory, which a TensorRT plugin launch cannot provide")
+    params = sum(1 for t in SIGNATURES[op].values() if t != "constexpr")
+    return CompiledKernel(op, meta.name, strip_trailing_params(compiled.asm["ptx"], meta.name, params),
+                          meta.num_warps * 32, meta.shared, dict(constants))
+
+
+def strip_trailing_params(ptx: str, entry: str, keep: int) -> str:
+    """Drop the entry's parameters after the first `keep`, refusing if the body reads any of them."""
+    head = re.search(rf"\.entry {re.escape(entry)}\(\s*(.*?)\)", ptx, re.S)
+    params = [p.strip() for p in head.group(1).split(",")]
+    extra = params[keep:]
+    names = [p.split()[-1] for p in extra]
+    body = ptx[head.end():]
+    used = [n for n in names if re.search(rf"\b{re.escape(n)}\b", body)]
+    if used:
+        raise RuntimeError(f"{entry}: trailing parameters {used} are used by the kernel")
+    new_head = head.group(0).replace(head.group(1), ",\n\t".join(params[:keep]) + "\n")
+    return ptx[: head.start()] + new_head + body

@@ -1,0 +1,70 @@
+"""The two plugins for datacenter TensorRT as ahead-of-time QDP plugins (`tensorrt.plugin`), namespace `higgs`.
+
+The engine directory carries each kernel's PTX (compiled at export, plugins/aot.py); `aot_impl` hands it to
+TensorRT, which embeds it in the plan, so a plan loads and runs with no Python plugin code. Step-varying values
+(positions, row index, end frame) are device tensors; the only scalars are shape expressions (SymInt32). The
+caches are aliased outputs, updated in place (needs PreviewFeature.ALIASED_PLUGIN_IO_10_03 at build time).
+
+Not run here: `tensorrt.plugin` needs the full TensorRT library, which cannot be installed on this project's
+machines. The same PTX is launched with TensorRT's argument order by the GPU tests (tests/test_plugin_kernels.py).
+"""
+
+from pathlib import Path
+from typing import Tuple
+
+_KERNELS: dict = {}  # op → (ptx, manifest entry) of the engine directory being built
+_REGISTERED = False
+
+
+def register(engine_dir: Path, manifest: dict) -> list:
+    global _REGISTERED
+    for op, info in manifest["plugins"].items():
+        _KERNELS[op] = ((Path(engine_dir) / info["file"]).read_text(), info)
+    if not _REGISTERED:
+        _define()
+        _REGISTERED = True
+    return []
+
+
+def _define() -> None:
+    import tensorrt.plugin as trtp
+
+    @trtp.register("higgs::rope_kv_write")
+    def rope_kv_write(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, cos: trtp.TensorDesc,
+                      sin: trtp.TensorDesc, write_pos: trtp.TensorDesc, k_cache: trtp.TensorDesc,
+                      v_cache: trtp.TensorDesc) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+        return q.like(), k_cache.aliased(), v_cache.aliased()
+
+    @trtp.aot_impl("higgs::rope_kv_write")
+    def rope_kv_write_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, cos: trtp.TensorDesc,
+                          sin: trtp.TensorDesc, write_pos: trtp.TensorDesc, k_cache: trtp.TensorDesc,
+                          v_cache: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int):
+        ptx, info = _KERNELS["rope_kv_write"]
+        launch = _launch(trtp, info)
+        launch.grid_x = q.shape_expr[0] * q.shape_expr[2]  # batch · new positions
+        launch.grid_y = q.shape_expr[1] + k.shape_expr[1]  # q heads + kv heads
+        seq, q_heads, kv_heads, max_seq = q.shape_expr[2], q.shape_expr[1], k.shape_expr[1], k_cache.shape_expr[2]
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (seq, q_heads, kv_heads, max_seq)])
+        return info["entry"], ptx, launch, extra
+
+    @trtp.register("higgs::delayed_codebook_step")
+    def delayed_codebook_step(logits: trtp.TensorDesc, row_index: trtp.TensorDesc, end_frame: trtp.TensorDesc,
+                              table: trtp.TensorDesc) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
+        codes = trtp.from_shape_expr((logits.shape_expr[0], logits.shape_expr[1]), dtype=trtp.int32)
+        embedding = trtp.from_shape_expr((logits.shape_expr[0], table.shape_expr[1]), dtype=table.dtype)
+        return codes, embedding
+
+    @trtp.aot_impl("higgs::delayed_codebook_step")
+    def delayed_codebook_step_aot(logits: trtp.TensorDesc, row_index: trtp.TensorDesc, end_frame: trtp.TensorDesc,
+                                  table: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int):
+        ptx, info = _KERNELS["delayed_codebook_step"]
+        launch = _launch(trtp, info)
+        launch.grid_x = logits.shape_expr[0]  # one program per batch row
+        return info["entry"], ptx, launch, trtp.SymIntExprs(0)
+
+
+def _launch(trtp, info: dict):
+    launch = trtp.KernelLaunchParams()
+    launch.block_x = info["threads"]
+    launch.shared_mem = info["shared"]
+    return launch
