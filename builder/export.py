@@ -265,7 +265,8 @@ def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
         from higgs_trt.plugins.aot import TARGET, compile_kernel, constants_for
     cfg, plugins = ckpt.config, {}
     for op in ("rope_kv_write", "delayed_codebook_step"):
-        kernel = compile_kernel(op, constants_for(op, cfg.head_dim, cfg.hidden_size, cfg.codebook_vocab, cfg.num_codebooks))
+        kernel = compile_kernel(op, constants_for(op, cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                                  cfg.codebook_vocab, cfg.num_codebooks))
         (staging / f"{op}.ptx").write_text(kernel.ptx)
         plugins[op] = {"file": f"{op}.ptx", "namespace": "higgs", "version": "1", "entry": kernel.entry,
                        "threads": kernel.threads, "shared": kernel.shared, "constants": kernel.constants,

@@ -21,13 +21,23 @@ from . import kernels
 TARGET = ("cuda", 90, 32)  # Hopper (H100/H200), the datacenter TensorRT target
 SIGNATURES = {
     "rope_kv_write": ({"q": "*bf16", "k": "*bf16", "v": "*bf16", "cos": "*bf16", "sin": "*bf16", "write_pos": "*i64",
-                       "k_cache_in": "*bf16", "v_cache_in": "*bf16", "seq": "i32", "q_heads": "i32",
-                       "kv_heads": "i32", "max_seq": "i32", "q_out": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
-                       "HALF": "constexpr"}),
+                       "k_cache_in": "*bf16", "v_cache_in": "*bf16", "seq": "i32", "max_seq": "i32",
+                       "q_out": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
+                       "Q_HEADS": "constexpr", "KV_HEADS": "constexpr", "HALF": "constexpr"}),
     "delayed_codebook_step": ({"logits": "*fp32", "row_index": "*i64", "end_frame": "*i64", "table": "*bf16",
                                "codes": "*i32", "embedding": "*bf16", "K": "constexpr", "VOCAB": "constexpr",
                                "HIDDEN": "constexpr", "BLOCK_V": "constexpr", "BLOCK_H": "constexpr"}),
 }
+
+
+NUM_WARPS = {"rope_kv_write": 4, "delayed_codebook_step": 8}
+
+
+def grid(op: str, constants: dict, batch: int, seq: int = 1) -> tuple[int, int, int]:
+    """Launch grid: rope_kv_write (B·S); delayed_codebook_step (B, ⌈hidden / BLOCK_H⌉)."""
+    if op == "rope_kv_write":
+        return batch * seq, 1, 1
+    return batch, -(-constants["HIDDEN"] // constants["BLOCK_H"]), 1
 
 
 @dataclass(frozen=True)
@@ -44,16 +54,17 @@ class CompiledKernel:
         return hashlib.sha256(self.ptx.encode()).hexdigest()
 
 
-def constants_for(op: str, head_dim: int, hidden: int, vocab: int = 1026, codebooks: int = 8) -> dict:
+def constants_for(op: str, head_dim: int, hidden: int, q_heads: int, kv_heads: int, vocab: int = 1026,
+                  codebooks: int = 8) -> dict:
     if op == "rope_kv_write":
-        return {"HALF": head_dim // 2}
+        return {"Q_HEADS": q_heads, "KV_HEADS": kv_heads, "HALF": head_dim // 2}
     return {"K": codebooks, "VOCAB": vocab, "HIDDEN": hidden, "BLOCK_V": triton.next_power_of_2(vocab),
             "BLOCK_H": min(triton.next_power_of_2(hidden), 512)}
 
 
 def compile_kernel(op: str, constants: dict, target=TARGET) -> CompiledKernel:
     source = triton.compiler.ASTSource(fn=getattr(kernels, op), signature=SIGNATURES[op], constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget(*target))
+    compiled = triton.compile(source, target=GPUTarget(*target), options={"num_warps": NUM_WARPS[op]})
     meta = compiled.metadata
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
         raise RuntimeError(f"{op}: kernel needs scratch memory, which a TensorRT plugin launch cannot provide")

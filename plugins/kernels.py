@@ -2,7 +2,7 @@
 to PTX for TensorRT's AOT plugins (plugins/qdp.py). Argument order is TensorRT's for AOT plugins: tensor inputs,
 then int32 scalars, then tensor outputs (an aliased output is a separate argument pointing at its input).
 
-rope_kv_write: per (batch·position, head), NeoX half-split RoPE with the bf16 cos/sin table at position
+rope_kv_write: per (batch row, position), for all heads, NeoX half-split RoPE with the bf16 cos/sin table at position
   write_pos[b] + s, in fp32 with one rounding to bf16: q heads go to q_out, k heads are written into the key cache
   at that position and v rows into the value cache (in place; rows at or past max_seq are dropped).
 delayed_codebook_step: per batch row, per codebook: argmax over the 1026 logits (ties to the lowest index) or,
@@ -19,34 +19,38 @@ EOC = tl.constexpr(1025)
 
 @triton.jit
 def rope_kv_write(q, k, v, cos, sin, write_pos, k_cache_in, v_cache_in,
-                  seq, q_heads, kv_heads, max_seq,
+                  seq, max_seq,
                   q_out, k_cache, v_cache,
-                  HALF: tl.constexpr):
+                  Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    """One program per (batch row, new position): every head at once, as [heads, D/2] tiles."""
     bs = tl.program_id(0)
-    head = tl.program_id(1)
     b = bs // seq
     s = bs % seq
     pos = tl.load(write_pos + b) + s
-    d = tl.arange(0, HALF)
-    inside = (d < HALF) & (pos < max_seq)
+    inside = pos < max_seq
+    d = tl.arange(0, HALF)[None, :]
     c = tl.load(cos + pos * HALF + d, mask=inside, other=0.0).to(tl.float32)
     sn = tl.load(sin + pos * HALF + d, mask=inside, other=0.0).to(tl.float32)
-    if head < q_heads:
-        row = ((b * q_heads + head) * seq + s) * (2 * HALF)
-        x1 = tl.load(q + row + d).to(tl.float32)
-        x2 = tl.load(q + row + HALF + d).to(tl.float32)
-        tl.store(q_out + row + d, (x1 * c - x2 * sn).to(tl.bfloat16))
-        tl.store(q_out + row + HALF + d, (x2 * c + x1 * sn).to(tl.bfloat16))
-    else:
-        h = head - q_heads
-        src = ((b * kv_heads + h) * seq + s) * (2 * HALF)
-        dst = ((b * kv_heads + h) * max_seq + pos) * (2 * HALF)
-        x1 = tl.load(k + src + d).to(tl.float32)
-        x2 = tl.load(k + src + HALF + d).to(tl.float32)
-        tl.store(k_cache + dst + d, (x1 * c - x2 * sn).to(tl.bfloat16), mask=inside)
-        tl.store(k_cache + dst + HALF + d, (x2 * c + x1 * sn).to(tl.bfloat16), mask=inside)
-        tl.store(v_cache + dst + d, tl.load(v + src + d), mask=inside)
-        tl.store(v_cache + dst + HALF + d, tl.load(v + src + HALF + d), mask=inside)
+
+    hq = tl.arange(0, triton.next_power_of_2(Q_HEADS))[:, None]
+    rows = ((b * Q_HEADS + hq) * seq + s) * (2 * HALF)
+    heads = hq < Q_HEADS
+    x1 = tl.load(q + rows + d, mask=heads).to(tl.float32)
+    x2 = tl.load(q + rows + HALF + d, mask=heads).to(tl.float32)
+    tl.store(q_out + rows + d, (x1 * c - x2 * sn).to(tl.bfloat16), mask=heads)
+    tl.store(q_out + rows + HALF + d, (x2 * c + x1 * sn).to(tl.bfloat16), mask=heads)
+
+    hk = tl.arange(0, triton.next_power_of_2(KV_HEADS))[:, None]
+    src = ((b * KV_HEADS + hk) * seq + s) * (2 * HALF)
+    dst = ((b * KV_HEADS + hk) * max_seq + pos) * (2 * HALF)
+    heads = hk < KV_HEADS
+    keep = heads & inside
+    x1 = tl.load(k + src + d, mask=heads).to(tl.float32)
+    x2 = tl.load(k + src + HALF + d, mask=heads).to(tl.float32)
+    tl.store(k_cache + dst + d, (x1 * c - x2 * sn).to(tl.bfloat16), mask=keep)
+    tl.store(k_cache + dst + HALF + d, (x2 * c + x1 * sn).to(tl.bfloat16), mask=keep)
+    tl.store(v_cache + dst + d, tl.load(v + src + d, mask=heads), mask=keep)
+    tl.store(v_cache + dst + HALF + d, tl.load(v + src + HALF + d, mask=heads), mask=keep)
 
 
 @triton.jit
@@ -92,30 +96,32 @@ def _sample(x, valid, t, top_k, top_p, u, vocab, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _codebook_row(logits, b, row, end, table, temperature, top_k, top_p, seed, codes, embedding,
+def _codebook_row(logits, b, hb, row, end, table, temperature, top_k, top_p, seed, codes, embedding,
                   K: tl.constexpr, VOCAB: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_V: tl.constexpr,
                   BLOCK_H: tl.constexpr, SAMPLING: tl.constexpr):
+    """Program (b, hb): all K codes of row b (each program of the row computes them alike; hb 0 stores them),
+    then the embedding's hidden slice hb."""
+    books = tl.arange(0, K)
     lanes = tl.arange(0, BLOCK_V)
     valid = lanes < VOCAB
-    books = tl.arange(0, K)
-    chosen = tl.zeros([K], dtype=tl.int32)
-    for k in tl.static_range(K):
-        x = tl.load(logits + (b * K + k) * VOCAB + lanes, mask=valid, other=-float("inf"))
-        code = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int32)
-        if SAMPLING:
-            t = tl.load(temperature + b)
-            if t > 0:
-                code = _sample(x, valid, t, tl.load(top_k + b), tl.load(top_p + b),
-                               _uniform(tl.load(seed + b), row, tl.full([], k, tl.int64)), VOCAB, BLOCK_V).to(tl.int32)
-        code = tl.where(row < k, BOC, code)
-        code = tl.where(row - k >= end, EOC, code)
-        tl.store(codes + b * K + k, code)
-        chosen = tl.where(books == k, code, chosen)
+    x = tl.load(logits + (b * K + books[:, None]) * VOCAB + lanes[None, :], mask=valid[None, :], other=-float("inf"))
+    chosen = tl.argmax(x, axis=1, tie_break_left=True).to(tl.int32)
+    if SAMPLING:
+        t = tl.load(temperature + b)
+        if t > 0:
+            for k in tl.static_range(K):
+                xk = tl.load(logits + (b * K + k) * VOCAB + lanes, mask=valid, other=-float("inf"))
+                code = _sample(xk, valid, t, tl.load(top_k + b), tl.load(top_p + b),
+                               _uniform(tl.load(seed + b), row, tl.full([], k, tl.int64)), VOCAB, BLOCK_V)
+                chosen = tl.where(books == k, code.to(tl.int32), chosen)
+    chosen = tl.where(row < books, BOC, chosen)
+    chosen = tl.where(row - books >= end, EOC, chosen)
+    if hb == 0:
+        tl.store(codes + b * K + books, chosen)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     rows = books.to(tl.int64) * VOCAB + chosen
-    for h0 in tl.static_range(0, HIDDEN, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        gathered = tl.load(table + rows[:, None] * HIDDEN + h[None, :], mask=h[None, :] < HIDDEN, other=0.0)
-        tl.store(embedding + b * HIDDEN + h, tl.sum(gathered.to(tl.float32), axis=0).to(tl.bfloat16), mask=h < HIDDEN)
+    gathered = tl.load(table + rows[:, None] * HIDDEN + h[None, :], mask=h[None, :] < HIDDEN, other=0.0)
+    tl.store(embedding + b * HIDDEN + h, tl.sum(gathered.to(tl.float32), axis=0).to(tl.bfloat16), mask=h < HIDDEN)
 
 
 @triton.jit
@@ -123,10 +129,10 @@ def delayed_codebook_step(logits, row_index, end_frame, table,
                           codes, embedding,
                           K: tl.constexpr, VOCAB: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_H: tl.constexpr):
-    """Greedy: the engine's step (its graph contract samples on the host, when it samples)."""
+    """Greedy: the engine's step (its graph contract samples on the host, when it samples). Grid (B, ⌈H/BLOCK_H⌉)."""
     b = tl.program_id(0)
-    _codebook_row(logits, b, tl.load(row_index + b), tl.load(end_frame + b), table, table, table, table, table,
-                  codes, embedding, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, False)
+    _codebook_row(logits, b, tl.program_id(1), tl.load(row_index + b), tl.load(end_frame + b), table, table, table,
+                  table, table, codes, embedding, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, False)
 
 
 @triton.jit
@@ -136,5 +142,5 @@ def delayed_codebook_sample(logits, row_index, end_frame, table, temperature, to
                             BLOCK_H: tl.constexpr):
     """Per row: greedy where temperature[b] is 0, else seeded sampling; state (row, end, seed) lives on the device."""
     b = tl.program_id(0)
-    _codebook_row(logits, b, tl.load(row_index + b), tl.load(end_frame + b), table, temperature, top_k, top_p, seed,
-                  codes, embedding, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, True)
+    _codebook_row(logits, b, tl.program_id(1), tl.load(row_index + b), tl.load(end_frame + b), table, temperature,
+                  top_k, top_p, seed, codes, embedding, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, True)

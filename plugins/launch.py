@@ -19,7 +19,8 @@ class PtxKernel:
     def __call__(self, grid: tuple[int, int, int], pointers_in: list[int], scalars: list[int], pointers_out: list[int],
                  stream: int = 0) -> None:
         values = [*pointers_in, *scalars, *pointers_out]
-        types = [None] * len(pointers_in) + [ctypes.c_int32] * len(scalars) + [None] * len(pointers_out)
+        types = ([ctypes.c_void_p] * len(pointers_in) + [ctypes.c_int32] * len(scalars)
+                 + [ctypes.c_void_p] * len(pointers_out))
         check(self.driver.cuLaunchKernel(self.function, *grid, self.threads, 1, 1, self.shared,
                                          self.driver.CUstream(stream), (tuple(values), tuple(types)), 0),
               "cuLaunchKernel")

@@ -42,9 +42,7 @@ def _define() -> None:
         ptx, info = _KERNELS["rope_kv_write"]
         launch = _launch(trtp, info)
         launch.grid_x = q.shape_expr[0] * q.shape_expr[2]  # batch · new positions
-        launch.grid_y = q.shape_expr[1] + k.shape_expr[1]  # q heads + kv heads
-        seq, q_heads, kv_heads, max_seq = q.shape_expr[2], q.shape_expr[1], k.shape_expr[1], k_cache.shape_expr[2]
-        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (seq, q_heads, kv_heads, max_seq)])
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(q.shape_expr[2]), trtp.SymInt32(k_cache.shape_expr[2])])
         return info["entry"], ptx, launch, extra
 
     @trtp.register("higgs::delayed_codebook_step")
@@ -59,7 +57,8 @@ def _define() -> None:
                                   table: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int):
         ptx, info = _KERNELS["delayed_codebook_step"]
         launch = _launch(trtp, info)
-        launch.grid_x = logits.shape_expr[0]  # one program per batch row
+        launch.grid_x = logits.shape_expr[0]  # batch rows × slices of the hidden size
+        launch.grid_y = -(-info["constants"]["HIDDEN"] // info["constants"]["BLOCK_H"])
         return info["entry"], ptx, launch, trtp.SymIntExprs(0)
 
 

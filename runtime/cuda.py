@@ -52,14 +52,15 @@ class DeviceArray:
     def __init__(self, shape: tuple[int, ...], dtype):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
-        self.ptr = int(check(_rt().cudaMalloc(max(self.nbytes, 1)), "cudaMalloc"))
+        self._rt = _rt()  # kept for __del__, which may run while the interpreter shuts down
+        self.ptr = int(check(self._rt.cudaMalloc(max(self.nbytes, 1)), "cudaMalloc"))
 
     def zero(self, stream: Stream) -> None:
-        check(_rt().cudaMemsetAsync(self.ptr, 0, self.nbytes, stream.handle), "cudaMemsetAsync")
+        check(self._rt.cudaMemsetAsync(self.ptr, 0, self.nbytes, stream.handle), "cudaMemsetAsync")
 
     def __del__(self):
         if getattr(self, "ptr", None):
-            _rt().cudaFree(self.ptr)
+            self._rt.cudaFree(self.ptr)
 
 
 class PinnedArray:
@@ -68,14 +69,14 @@ class PinnedArray:
     def __init__(self, shape: tuple[int, ...], dtype):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
-        rt = _rt()
+        self._rt = rt = _rt()
         self.ptr = int(check(rt.cudaHostAlloc(max(self.nbytes, 1), rt.cudaHostAllocDefault), "cudaHostAlloc"))
         raw = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr)
         self.array = np.frombuffer(raw, dtype=np.uint8)[: self.nbytes].view(self.dtype).reshape(self.shape)
 
     def __del__(self):
         if getattr(self, "ptr", None):
-            _rt().cudaFreeHost(self.ptr)
+            self._rt.cudaFreeHost(self.ptr)
 
 
 def copy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
@@ -87,7 +88,7 @@ class Graph:
     """Capture the work that `enqueue()` puts on `stream` once; replay it with one launch."""
 
     def __init__(self, stream: Stream, enqueue):
-        rt = _rt()
+        self._rt = rt = _rt()
         self.stream, self.exec = stream, None
         check(rt.cudaStreamBeginCapture(stream.handle, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
               "cudaStreamBeginCapture")
@@ -103,9 +104,9 @@ class Graph:
         self.exec = check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
 
     def launch(self) -> None:
-        check(_rt().cudaGraphLaunch(self.exec, self.stream.handle), "cudaGraphLaunch")
+        check(self._rt.cudaGraphLaunch(self.exec, self.stream.handle), "cudaGraphLaunch")
 
     def __del__(self):
         if getattr(self, "exec", None) is not None:
-            _rt().cudaGraphExecDestroy(self.exec)
-            _rt().cudaGraphDestroy(self.graph)
+            self._rt.cudaGraphExecDestroy(self.exec)
+            self._rt.cudaGraphDestroy(self.graph)
