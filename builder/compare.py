@@ -269,3 +269,64 @@ def summary(report: dict) -> list[str]:
             lines.append(line)
     lines.append("PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failures"]))
     return lines
+
+
+def locate_divergence(engine_dir: Path, checkpoint: Path, prompts, say) -> dict:
+    """Per-layer mode: every intermediate tensor of the engine's fp32 twin against the same graph exported afresh
+    from the checkpoint (same exporter, same tensor names), for the first prompt's prefill. Returns the first
+    tensor, in graph order, whose error exceeds the fp32 tolerance (None when all agree)."""
+    import tempfile
+
+    import onnxruntime
+    from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs, OnnxFromPath
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    from .export import export_engine
+
+    onnxruntime.set_default_logger_severity(3)
+    engine = EngineDir(engine_dir)
+    limits = engine.manifest["limits"]
+    layers = engine.manifest["model"]["num_layers"]
+    cache_shape = next(t["shape"] for t in engine.graph("lm_ref")["inputs"] if t["name"] == "past_key_0")[1:]
+    feed = {**prefill_feeds(prompts[:1]), **{n: np.zeros((1, *cache_shape), np.float32)
+                                            for n, _, _ in _lm_inputs(layers) if n.startswith("past_")}}
+    atol, rtol, _ = TOLERANCES["fp32"]
+    with tempfile.TemporaryDirectory() as tmp:
+        say("  exporting a fresh reference twin from the checkpoint…")
+        fresh = export_engine(checkpoint, Path(tmp) / "fresh", limits["max_seq"], limits["max_batch"],
+                              limits["max_prompt"], say=lambda m: None)
+        outputs = []
+        for path in (engine.file("lm_ref"), fresh / "lm.ref.onnx"):
+            marked = BytesFromOnnx(ModifyOutputs(OnnxFromPath(str(path)), outputs=_fp32_tensors(path)))
+            with OnnxrtRunner(SessionFromOnnx(marked, providers=["cpu"])) as runner:
+                outputs.append(runner.infer(feed))
+    mine, fresh_out = outputs
+    for name, value in mine.items():  # graph order
+        if name not in fresh_out or value.dtype.kind != "f":
+            continue
+        ref = fresh_out[name]
+        if value.shape == ref.shape and not np.allclose(value, ref, atol=atol, rtol=rtol):
+            return {"tensor": _describe(engine.file("lm_ref"), name), "max_abs": float(np.abs(value - ref).max()),
+                    "compared": len(mine)}
+    return {"tensor": None, "compared": len(mine)}
+
+
+def _describe(path: Path, tensor: str) -> str:
+    """A tensor with the node that makes it, and the weights that node reads."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    weights = {i.name for i in graph.initializer}
+    node = next(n for n in graph.node if tensor in n.output)
+    read = [i for i in node.input if i in weights and not i.startswith("val_")]
+    return f"{tensor} = {node.op_type}({', '.join(read) or '…'})"
+
+
+def _fp32_tensors(path: Path) -> list[str]:
+    """Every fp32 tensor a node of the graph produces, in graph order (ORT cannot hand bf16 tensors to numpy)."""
+    import onnx
+
+    model = onnx.shape_inference.infer_shapes(onnx.load(path, load_external_data=False))
+    fp32 = {v.name for v in [*model.graph.value_info, *model.graph.output]
+            if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    return [o for n in model.graph.node for o in n.output if o in fp32]

@@ -327,7 +327,10 @@ def calibrate(checkpoint, out, statistic):
 @click.option("--steps", type=int, default=32, show_default=True, help="Teacher-forced decode steps per prompt.")
 @click.option("--save", type=click.Path(path_type=Path),
               help="Write inputs.json / outputs.json (Polygraphy's format) and report.json here.")
-def compare(engine, checkpoint, runners, prompts, steps, save):
+@click.option("--per-layer", is_flag=True,
+              help="Also mark every intermediate tensor of the engine's fp32 twin and name the first one that differs "
+                   "from a fresh export of --checkpoint (locates a broken layer).")
+def compare(engine, checkpoint, runners, prompts, steps, save, per_layer):
     """Compare torch, ONNX Runtime and TensorRT on the same teacher-forced decode steps (Polygraphy)."""
     import json
 
@@ -352,6 +355,15 @@ def compare(engine, checkpoint, runners, prompts, steps, save):
                          steps, save, say)
     for line in summary(report):
         click.echo(line)
+    if per_layer:
+        if checkpoint is None:
+            raise HiggsError("--per-layer needs --checkpoint")
+        from higgs_trt.builder.compare import locate_divergence
+
+        first = locate_divergence(engine, checkpoint, prompt_list, say)
+        click.echo(f"per-layer: {first['compared']} tensors compared; "
+                   + (f"first to differ: {first['tensor']} (max |Δ| {first['max_abs']:.3g})" if first["tensor"]
+                      else "all agree"))
     if not report["passed"]:
         raise click.exceptions.Exit(1)
 

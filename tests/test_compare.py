@@ -66,10 +66,14 @@ def test_a_perturbed_weight_fails_and_names_the_output(tiny_engine, tiny_ckpt, t
     # reseal, as a buggy export would have: the manifest cannot catch it, the comparison must
     manifest = json.loads((engine / "manifest.json").read_text())
     write_manifest(engine, manifest, list(manifest["files"]))
-    r = run_compare(engine, "--checkpoint", tiny_ckpt, "--steps", 4, "--runners", "torch,ort", tmp_path=tmp_path)
+    r = run_compare(engine, "--checkpoint", tiny_ckpt, "--steps", 4, "--runners", "torch,ort", "--per-layer",
+                    tmp_path=tmp_path)
     assert r.exit_code == 1
     assert "FAILED" in r.stdout and "ort vs torch: logits" in r.stdout
     assert "present_key_0" not in r.stdout.split("FAILED")[-1]  # layer 0 is untouched: its cache still matches
+    # per-layer mode names the first tensor that differs, and the weight behind it
+    first = r.stdout.split("first to differ: ")[1]
+    assert "(body.layers.1.mlp.down_proj.weight)" in first.splitlines()[0], r.stdout
     EngineDir(engine)  # the resealed directory itself is accepted
 
 
