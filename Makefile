@@ -19,10 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -c "import importlib.util as u, os; d = next(iter(u.find_spec('tensorrt_rtx_libs').submodule_search_locations)); l = os.path.join(d, 'libtensorrt_rtx.so'); os.path.lexists(l) or os.symlink('libtensorrt_rtx.so.1', l)"
 	touch $@
 
+# export → build (TensorRT-RTX for SM89: no GPU needed) → run → wav. The RTX plans cannot run on this machine, so the
+# run uses ONNX Runtime on the same engine directory's reference graphs; with TensorRT and a GPU: TARGET= BACKEND=trt.
+TARGET ?= sm89
+BACKEND ?= ort
 demo: install
 	$(BIN)/higgs-trt tiny-checkpoint out/tiny-checkpoint
-	$(BIN)/higgs-trt export --checkpoint out/tiny-checkpoint --out engines/tiny --max-seq 512 --max-prompt 256
-	$(BIN)/higgs-trt run --engine engines/tiny --text "$(DEMO_TEXT)" --out out/demo.wav
+	$(BIN)/higgs-trt build --checkpoint out/tiny-checkpoint --out engines/tiny --recipe tiny $(if $(TARGET),--target $(TARGET))
+	$(BIN)/higgs-trt run --engine engines/tiny --backend $(BACKEND) --text "$(DEMO_TEXT)" --out out/demo.wav
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -23,6 +23,7 @@ import onnx_ir as ir
 import onnxscript
 import torch
 
+from higgs_trt.calibration.qdq import insert_qdq
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
 from higgs_trt.runtime.manifest import publish, write_manifest
@@ -187,7 +188,7 @@ def graph_io(model: ir.Model) -> dict:
     return {"inputs": [describe(v) for v in model.graph.inputs], "outputs": [describe(v) for v in model.graph.outputs]}
 
 
-def _check_weights_kept(model: ir.Model, ckpt: Checkpoint, expected: list[str]) -> None:
+def _check_weights_kept(model: ir.Model, expected: list[str]) -> None:
     names = set(model.graph.initializers)
     lost = [n for n in expected if n not in names]
     if lost:
@@ -289,13 +290,11 @@ def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scal
         for key, file, dtype in (("lm", "lm.onnx", torch.bfloat16), ("lm_ref", "lm.ref.onnx", torch.float32)):
             t0 = time.perf_counter()
             model = export_lm(HiggsLM.from_checkpoint(ckpt, max_seq, dtype, ops))
-            _check_weights_kept(model, ckpt, lm_names)
+            _check_weights_kept(model, lm_names)
             weights.place(model, checkpoint_names=True)
             name = str(dtype).removeprefix("torch.")
             save(key, file, model, name, t0)
             if scales:  # the same graph, FP8 GEMMs (in place: this graph is saved already)
-                from higgs_trt.calibration.qdq import insert_qdq
-
                 t0 = time.perf_counter()
                 weights.flush()
                 insert_qdq(model, scales["activation_amax"], weights)
@@ -303,9 +302,7 @@ def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scal
         t0 = time.perf_counter()
         model = export_codec(CodecDecoder.from_checkpoint(ckpt))
         weights.place(model, checkpoint_names=False)
-        graphs["codec"] = {"file": "codec.onnx", "dtype": "float32", **graph_io(model)}
-        ir.save(model, staging / "codec.onnx")
-        say(f"  codec.onnx: {len(model.graph)} nodes ({time.perf_counter() - t0:.1f} s)")
+        save("codec", "codec.onnx", model, "float32", t0)
     finally:
         weights.close()
     for g in graphs.values():

@@ -132,7 +132,11 @@ def test_greedy_ties_go_to_lowest_index():
 def test_sampling_is_reproducible_and_seed_dependent():
     logits = rng.normal(size=(8, 1026)).astype(np.float32)
     s = Sampling(temperature=1.0, top_k=50, top_p=0.9, seed=1)
-    draw = lambda seed: [choose_codes(logits, s, r) for r in [np.random.default_rng(seed)] for _ in range(20)]
+
+    def draw(seed):
+        rng = np.random.default_rng(seed)
+        return [choose_codes(logits, s, rng) for _ in range(20)]
+
     a, b, c = draw(1), draw(1), draw(2)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))

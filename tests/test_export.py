@@ -6,7 +6,6 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.export import export_engine
@@ -14,7 +13,7 @@ from higgs_trt.builder.tiny import write_random_checkpoint
 from higgs_trt.builder.torch_backend import TorchBackend
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
-from higgs_trt.runtime.generate import NO_END, generate, prefill_feeds
+from higgs_trt.runtime.generate import NO_END, generate, prefill_feeds, step_feeds
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.ort_backend import OrtBackend
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
@@ -33,13 +32,6 @@ def tok(tiny_ckpt):
     return HiggsTokenizer(tiny_ckpt / "tokenizer.json")
 
 
-def step_feeds(codes, write_pos, row):
-    b = len(codes)
-    return {"input_ids": np.zeros((b, 1), np.int32), "audio_codes": codes[:, None, :].astype(np.int32),
-            "is_audio": np.ones((b, 1), bool), "write_pos": np.asarray(write_pos, np.int64),
-            "new_len": np.ones(b, np.int64), "row_index": np.full(b, row, np.int64), "end_frame": np.full(b, NO_END)}
-
-
 def test_teacher_forced_logits_match_torch_over_40_steps(backends, tok):
     ort, ref = backends
     prompts = [build_prompt(tok, PROMPTS[0]), build_prompt(tok, PROMPTS[1])]  # batch of 2, different lengths
@@ -54,7 +46,7 @@ def test_teacher_forced_logits_match_torch_over_40_steps(backends, tok):
         worst = max(worst, float(np.abs(la - lb).max()))
         assert np.array_equal(ca, cb), step
         forced = rng.integers(0, 1026, size=(2, 8))  # teacher forcing: both sides get the same rows
-        outs = [(l.copy(), c.copy()) for l, c in (be.lm(step_feeds(forced, lens + step, step + 1)) for be in backends)]
+        outs = [(lg.copy(), c.copy()) for lg, c in (be.lm(step_feeds(forced, lens + step, step + 1, np.full(2, NO_END))) for be in backends)]
     assert worst < 1e-4, worst
 
 
@@ -84,7 +76,7 @@ def test_cache_rows_are_written_once_and_prefix_plus_step_equals_prefill(tiny_ck
     before = [c.numpy().copy() for c in ort.caches[ort.current]]
     assert all((c[:, :, n:] == 0).all() and (np.abs(c[:, :, :n]).sum(-1) > 0).all() for c in before)
     row = np.random.default_rng(3).integers(0, 1026, size=(1, 8))
-    logits_step, _ = ort.lm(step_feeds(row, [n], 1))
+    logits_step, _ = ort.lm(step_feeds(row, [n], 1, [NO_END]))
     logits_step = logits_step.copy()
     after = [c.numpy() for c in ort.caches[ort.current]]
     for b, a in zip(before, after):
