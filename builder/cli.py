@@ -165,8 +165,9 @@ def build(ctx, checkpoint, out, ops, target, lean, max_seq, max_batch, max_promp
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="calibration.json to write.")
-@click.option("--statistic", type=click.Choice(["max", "p999"]), default="max", show_default=True,
-              help="Per-site activation amax: the largest |x| seen, or the 99.9th percentile of per-token maxima.")
+@click.option("--statistic", type=click.Choice(["p999", "max"]), default="p999", show_default=True,
+              help="Per-site activation amax: the 99.9th percentile of per-token maxima (chosen by measurement), "
+                   "or the largest |x| seen.")
 def calibrate(checkpoint, out, statistic):
     """FP8 activation scales from the built-in prompt set (prefill + free-run decode of the BF16 reference)."""
     from higgs_trt.runtime.wav import check_writable, write_atomic

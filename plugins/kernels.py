@@ -27,8 +27,8 @@ def rope_kv_write(q, k, v, cos, sin, write_pos, k_cache_in, v_cache_in,
     b = bs // seq
     s = bs % seq
     pos = tl.load(write_pos + b) + s
-    inside = pos < max_seq
     d = tl.arange(0, HALF)[None, :]
+    inside = (d * 0 + pos) < max_seq  # as a [1, HALF] tensor: Triton 3.9's interpreter mishandles scalar masks
     c = tl.load(cos + pos * HALF + d, mask=inside, other=0.0).to(tl.float32)
     sn = tl.load(sin + pos * HALF + d, mask=inside, other=0.0).to(tl.float32)
 

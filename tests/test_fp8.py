@@ -27,7 +27,7 @@ def test_calibration_is_byte_identical_when_repeated(tiny_ckpt, tiny_calibration
     assert set(c["activation_amax"]) == set(quantized_sites(2)) and c["tokens"] > 100
     amax = c["activation_amax"]
     assert amax["body.layers.0.self_attn.q_proj"] == amax["body.layers.0.self_attn.v_proj"]  # one input, one scale
-    assert c["prompt_set"]["version"] == 1 and c["statistic"] == "max"
+    assert c["prompt_set"]["version"] == 1 and c["statistic"] == "p999"
 
 
 def reseal(path, edit):
