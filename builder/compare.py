@@ -40,9 +40,10 @@ def _runner_base():
 class TorchRunner(_runner_base()):
     """The torch reference as a Polygraphy runner: one stateless lm call per feed (caches in the feed)."""
 
-    def __init__(self, checkpoint: Path, max_seq: int, num_layers: int):
+    def __init__(self, checkpoint: Path, max_seq: int, io: dict):
         super().__init__(name="torch")
-        self.checkpoint, self.max_seq, self.num_layers = checkpoint, max_seq, num_layers
+        self.checkpoint, self.max_seq, self.io = checkpoint, max_seq, io
+        self.caches = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
 
     def activate_impl(self):
         import torch
@@ -57,18 +58,18 @@ class TorchRunner(_runner_base()):
         from polygraphy.common import TensorMetadata
 
         meta = TensorMetadata()
-        for name, dtype, shape in _lm_inputs(self.num_layers):
-            meta.add(name, dtype, shape)
+        for t in self.io["inputs"]:
+            meta.add(t["name"], np.dtype(t["dtype"]), t["shape"])
         return meta
 
     def infer_impl(self, feed_dict):
         t0 = time.perf_counter()
         torch = self.torch
         feeds = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feed_dict.items()}
-        caches = tuple(feeds.pop(n) for n, _, _ in _lm_inputs(self.num_layers) if n.startswith("past_"))
+        caches = tuple(feeds.pop(n) for n in self.caches)
         with torch.inference_mode():
             logits, codes, *present = self.model(**feeds, caches=caches)
-        names = [n.replace("past_", "present_") for n, _, _ in _lm_inputs(self.num_layers) if n.startswith("past_")]
+        names = [n.replace("past_", "present_") for n in self.caches]
         self.inference_time = time.perf_counter() - t0
         return {"logits": logits.numpy(), "codes": codes.numpy(), **{n: c.numpy() for n, c in zip(names, present)}}
 
@@ -76,13 +77,10 @@ class TorchRunner(_runner_base()):
         del self.model
 
 
-def _lm_inputs(num_layers: int):
-    ints = [("input_ids", np.int32, ("batch", "seq")), ("audio_codes", np.int32, ("batch", "seq", 8)),
-            ("is_audio", np.bool_, ("batch", "seq"))]
-    ints += [(n, np.int64, ("batch",)) for n in ("write_pos", "new_len", "row_index", "end_frame")]
-    caches = [(f"past_{kv}_{i}", np.float32, ("batch", "heads", "max_seq", "head_dim"))
-              for i in range(num_layers) for kv in ("key", "value")]
-    return ints + caches
+def _zero_caches(engine: EngineDir) -> dict[str, np.ndarray]:
+    """Empty fp32 caches for one sequence, as the engine's reference twin takes them."""
+    return {t["name"]: np.zeros((1, *t["shape"][1:]), np.float32)
+            for t in engine.graph("lm_ref")["inputs"] if t["name"].startswith("past_")}
 
 
 class TrtPlanRunner(_runner_base()):
@@ -117,17 +115,14 @@ class TrtPlanRunner(_runner_base()):
 
 def reference_feeds(engine: EngineDir, checkpoint: Path | None, prompts, steps: int) -> list[dict]:
     """Prefill + `steps` teacher-forced step feeds per prompt, each with the caches the reference had then."""
-    layers = engine.manifest["model"]["num_layers"]
     max_seq = engine.manifest["limits"]["max_seq"]
-    cache_shape = next(t["shape"] for t in engine.graph("lm_ref")["inputs"] if t["name"] == "past_key_0")[1:]
-    with _reference(engine, checkpoint, layers) as ref:
-        return [feed for prompt in prompts for feed in _teacher_forced(ref, prompt, steps, max_seq, layers, cache_shape)]
+    with _reference(engine, checkpoint) as ref:
+        return [feed for prompt in prompts for feed in _teacher_forced(ref, prompt, steps, max_seq, _zero_caches(engine))]
 
 
-def _teacher_forced(ref, prompt, steps: int, max_seq: int, layers: int, cache_shape: list) -> list[dict]:
+def _teacher_forced(ref, prompt, steps: int, max_seq: int, caches: dict) -> list[dict]:
     from higgs_trt.runtime.decoding import delay_mask
 
-    caches = {n: np.zeros((1, *cache_shape), np.float32) for n, _, _ in _lm_inputs(layers) if n.startswith("past_")}
     feed, feeds = {**prefill_feeds([prompt]), **caches}, []
     for row in range(min(steps, max_seq - len(prompt)) + 1):
         feeds.append(feed)
@@ -139,10 +134,10 @@ def _teacher_forced(ref, prompt, steps: int, max_seq: int, layers: int, cache_sh
 
 
 @contextlib.contextmanager
-def _reference(engine: EngineDir, checkpoint: Path | None, layers: int):
+def _reference(engine: EngineDir, checkpoint: Path | None):
     """A feed → outputs function: the torch reference with a checkpoint, else ONNX Runtime on the twin."""
     if checkpoint is not None:
-        with TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"], layers) as runner:
+        with TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"], engine.graph("lm_ref")) as runner:
             yield runner.infer_impl
         return
     import onnxruntime as ort
@@ -201,8 +196,7 @@ def compare(engine_dir: Path, checkpoint: Path | None, runners: list[str], promp
     available = {}
     for name in runners:
         if name == "torch":
-            available[name] = TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"],
-                                          engine.manifest["model"]["num_layers"])
+            available[name] = TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"], engine.graph("lm_ref"))
         elif name == "ort":
             twin = "lm_fp8_ref" if precision == "fp8" else "lm_ref"
             available[name] = OnnxrtRunner(SessionFromOnnx(str(engine.file(twin)), providers=["cpu"]), name="ort")
@@ -286,10 +280,7 @@ def locate_divergence(engine_dir: Path, checkpoint: Path, prompts, say) -> dict:
     onnxruntime.set_default_logger_severity(3)
     engine = EngineDir(engine_dir)
     limits = engine.manifest["limits"]
-    layers = engine.manifest["model"]["num_layers"]
-    cache_shape = next(t["shape"] for t in engine.graph("lm_ref")["inputs"] if t["name"] == "past_key_0")[1:]
-    feed = {**prefill_feeds(prompts[:1]), **{n: np.zeros((1, *cache_shape), np.float32)
-                                            for n, _, _ in _lm_inputs(layers) if n.startswith("past_")}}
+    feed = {**prefill_feeds(prompts[:1]), **_zero_caches(engine)}
     atol, rtol, _ = TOLERANCES["fp32"]
     with tempfile.TemporaryDirectory() as tmp:
         say("  exporting a fresh reference twin from the checkpoint…")

@@ -151,8 +151,8 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
     from .checkpoint import Checkpoint
     from .export import export_engine
 
-    if target and target not in trt_shim.TARGETS:  # fail before a long export
-        raise HiggsError(f"unknown target {target!r}; TensorRT-RTX builds for {', '.join(trt_shim.TARGETS)}")
+    if target:
+        trt_shim.check_target(target)  # before a long export
     if lean and target:
         raise HiggsError("--lean makes plans for tensorrt_lean, which TensorRT-RTX plans cannot use; drop --target")
     fingerprint = Checkpoint(checkpoint).fingerprint()

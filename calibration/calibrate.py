@@ -5,10 +5,12 @@ calibration prompt is prefilled and then decoded greedily for a fixed number of 
 path, not only the prompt. The statistic per site is the 99.9th percentile of the per-token max |x| (`p999`, the
 default) or the largest (`max`): on random checkpoints p999 gave the better FP8 gate figures on both sizes measured
 (tiny: worst-step cosine 0.99724 vs 0.99670, top-1 0.9972 vs 0.9953; mid: 0.99169 vs 0.99057, 0.9981 vs 0.9972).
-Real activations may have outlier channels that clipping hurts; `max` keeps them. ModelOpt is not used here: its torch calibration instruments nn.Linear (our Linear exports
-as Gemm on the checkpoint's own tensor), its ONNX calibration only sees the inputs it is fed (not our decode
-loop), and its Q/DQ placement adds residual/norm/attention quantizers the card keeps in bf16. A forward hook and
-a max are the whole job.
+Real activations may have outlier channels that clipping hurts; `max` keeps them.
+
+ModelOpt is not used here: its torch calibration instruments nn.Linear (our Linear exports as Gemm on the
+checkpoint's own tensor), its ONNX calibration only sees the inputs it is fed (not our decode loop), and its Q/DQ
+placement adds residual/norm/attention quantizers the card keeps in bf16. A forward hook and a reduction over the
+observed per-token maxima are the whole job.
 
 The result, calibration.json, names the prompt-set version and hash and the checkpoint it belongs to, and is
 sealed with a hash of its content; the same inputs give the same bytes.

@@ -39,10 +39,14 @@ def load(kind: str):
     return module
 
 
-def set_target(trt, config, target: str) -> None:
-    """TensorRT-RTX only: build for one named compute capability instead of the local GPU."""
+def check_target(target: str) -> None:
     if target not in TARGETS:
         raise HiggsError(f"unknown target {target!r}; TensorRT-RTX builds for {', '.join(TARGETS)}")
+
+
+def set_target(trt, config, target: str) -> None:
+    """TensorRT-RTX only: build for one named compute capability instead of the local GPU."""
+    check_target(target)
     config.num_compute_capabilities = 1
     config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0)
 

@@ -46,7 +46,8 @@ def test_teacher_forced_logits_match_torch_over_40_steps(backends, tok):
         worst = max(worst, float(np.abs(la - lb).max()))
         assert np.array_equal(ca, cb), step
         forced = rng.integers(0, 1026, size=(2, 8))  # teacher forcing: both sides get the same rows
-        outs = [(lg.copy(), c.copy()) for lg, c in (be.lm(step_feeds(forced, lens + step, step + 1, np.full(2, NO_END))) for be in backends)]
+        feeds = step_feeds(forced, lens + step, step + 1, np.full(2, NO_END))
+        outs = [(lg.copy(), c.copy()) for lg, c in (be.lm(feeds) for be in backends)]
     assert worst < 1e-4, worst
 
 
