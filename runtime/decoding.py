@@ -19,6 +19,7 @@ REPEAT_GUARD_ROWS = 32  # this many identical rows in a row end the utterance
 HARD_CAP_ROWS = 2048  # ≈ 82 s of audio whatever the text
 FRAMES_PER_SECOND = 25
 SAMPLES_PER_FRAME = 960  # 24 kHz / 25 fps
+NO_END = np.int64(1 << 40)  # end_frame while the utterance's end is unknown: never reached by row - k
 
 
 # ---- delay pattern --------------------------------------------------------------------------------------------
@@ -70,14 +71,22 @@ def row_cap(text_chars: int, hard_cap: int = HARD_CAP_ROWS) -> int:
     return min(hard_cap, NUM_CODEBOOKS - 1 + FRAMES_PER_SECOND * seconds)
 
 
+def find_end(row_codes: np.ndarray, row: int, end_frame: int) -> int:
+    """The utterance's end frame after row `row` [8]: EOC on codebook 0 ends the audio at this row's frame; after the
+    ramp-up (row ≥ 8), EOC on codebook k ends it at frame row - k. The earliest end wins."""
+    for k in np.flatnonzero(np.asarray(row_codes) == EOC):
+        if (k == 0 or row >= NUM_CODEBOOKS) and row - k >= 0:
+            end_frame = min(end_frame, row - int(k))
+    return end_frame
+
+
 @dataclass
 class Utterance:
     """The rows of one utterance and the rules that end it.
 
-    - EOC on codebook 0 at row j ends the audio at frame j (frames before it are kept).
-    - After the ramp-up (row ≥ 8), EOC on codebook k at row j ends it at frame j - k.
-    - The earliest end seen wins; decoding continues until every kept frame is complete (end + 7 rows).
+    - The end frame follows `find_end`; decoding continues until every kept frame is complete (end + 7 rows).
     - 32 identical rows in a row, or `max_rows` rows, also stop it (keeping the complete frames).
+    Frames are de-delayed as rows arrive: frame t is complete once row t + 7 exists.
     """
 
     max_rows: int
@@ -85,6 +94,7 @@ class Utterance:
     end_frame: int | None = None
     stop_reason: str | None = None
     _repeats: int = 0
+    _frames: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -94,11 +104,13 @@ class Utterance:
         assert not self.done, "push after the utterance ended"
         j = len(self.rows)
         row = np.array(row, dtype=np.int32)  # a copy: backends may reuse their output buffers
-        for k in np.flatnonzero(row == EOC):
-            if (k == 0 or j >= NUM_CODEBOOKS) and j - k >= 0:
-                self.end_frame = j - int(k) if self.end_frame is None else min(self.end_frame, j - int(k))
+        end = find_end(row, j, NO_END if self.end_frame is None else self.end_frame)
+        self.end_frame = None if end == NO_END else int(end)
         self._repeats = self._repeats + 1 if j and np.array_equal(row, self.rows[-1]) else 1
         self.rows.append(row)
+        if j >= NUM_CODEBOOKS - 1:
+            t = j - NUM_CODEBOOKS + 1
+            self._frames.append([self.rows[t + k][k] for k in range(NUM_CODEBOOKS)])
         if self.end_frame is not None and len(self.rows) >= self.rows_needed(self.end_frame):
             self.stop_reason = "eoc"
         elif self._repeats >= REPEAT_GUARD_ROWS:
@@ -110,12 +122,14 @@ class Utterance:
     def rows_needed(end_frame: int) -> int:
         return end_frame + NUM_CODEBOOKS - 1 if end_frame > 0 else 0
 
-    def frames(self) -> np.ndarray:
-        """The utterance's frames [T, 8], de-delayed and sanitised, EOC frame and everything after it dropped."""
-        rows = np.stack(self.rows) if self.rows else np.zeros((0, NUM_CODEBOOKS), np.int32)
-        frames = revert_delay(rows)
-        if self.end_frame is not None:
-            frames = frames[: self.end_frame]
+    def ready(self) -> int:
+        """Frames that are complete and before the end: they will not change."""
+        return len(self._frames) if self.end_frame is None else min(len(self._frames), self.end_frame)
+
+    def frames(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Frames [start, stop) of the utterance [T, 8] (default: all ready ones), sanitised."""
+        stop = self.ready() if stop is None else stop
+        frames = np.array(self._frames[start:stop], dtype=np.int32).reshape(-1, NUM_CODEBOOKS)
         return sanitize(frames)
 
 
@@ -123,7 +137,8 @@ class Utterance:
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy (argmax, ties to the lowest index); otherwise seeded sampling per codebook."""
+    """temperature 0 is greedy (argmax, ties to the lowest index); otherwise seeded sampling per codebook
+    (runtime/sampling.py)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k
@@ -133,29 +148,3 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
-
-
-def choose_codes(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
-    """logits [K, V] of one row → codes [K]. Draws exactly K uniforms per call when sampling (reproducible).
-
-    Sampling: softmax(logits / T), optionally cut to the top-k (ties with the k-th value kept) and to the
-    smallest set of most likely codes whose mass reaches top-p, then inverse-CDF with one uniform per codebook.
-    """
-    if sampling.greedy:
-        return np.argmax(logits, axis=-1).astype(np.int32)
-    z = logits.astype(np.float64) / sampling.temperature
-    vocab = z.shape[-1]
-    if 0 < sampling.top_k < vocab:
-        kth = np.partition(z, vocab - sampling.top_k, axis=-1)[:, vocab - sampling.top_k, None]
-        z = np.where(z >= kth, z, -np.inf)
-    probs = np.exp(z - z.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if sampling.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        ranked = np.take_along_axis(probs, order, axis=-1)
-        cut = (np.cumsum(ranked, axis=-1) - ranked) >= sampling.top_p  # the best code always survives
-        np.put_along_axis(probs, order, np.where(cut, 0.0, ranked), axis=-1)
-        probs /= probs.sum(axis=-1, keepdims=True)
-    cdf = np.cumsum(probs, axis=-1)
-    u = rng.random(len(cdf)) * cdf[:, -1]
-    return np.minimum((cdf <= u[:, None]).sum(axis=-1), vocab - 1).astype(np.int32)

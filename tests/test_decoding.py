@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from higgs_trt.runtime.decoding import (BOC, EOC, HARD_CAP_ROWS, REPEAT_GUARD_ROWS, Sampling, Utterance, apply_delay,
-                                        choose_codes, delay_mask, revert_delay, row_cap, sanitize)
+                                        delay_mask, revert_delay, row_cap, sanitize)
+from higgs_trt.runtime.sampling import choose_row, uniform
 
 rng = np.random.default_rng(0)
 
@@ -126,40 +127,38 @@ def test_sanitize_zeroes_specials_never_clamps():
 def test_greedy_ties_go_to_lowest_index():
     logits = np.zeros((8, 1026), np.float32)
     logits[:, 10] = logits[:, 3] = 5.0
-    assert list(choose_codes(logits, Sampling(), None)) == [3] * 8
+    assert list(choose_row(logits, 0.0, 0, 1.0, seed=0, row=4)) == [3] * 8
 
 
-def test_sampling_is_reproducible_and_seed_dependent():
+def test_sampling_depends_only_on_seed_and_row():
     logits = rng.normal(size=(8, 1026)).astype(np.float32)
-    s = Sampling(temperature=1.0, top_k=50, top_p=0.9, seed=1)
 
     def draw(seed):
-        rng = np.random.default_rng(seed)
-        return [choose_codes(logits, s, rng) for _ in range(20)]
+        return [choose_row(logits, 1.0, 50, 0.9, seed, row) for row in range(20)]
 
     a, b, c = draw(1), draw(1), draw(2)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    assert not all(np.array_equal(a[0], x) for x in a[1:])  # rows draw differently
+    assert uniform(7, 3, 2) == uniform(7, 3, 2) and 0 <= uniform(2**63 - 1, 2047, 7) < 1  # 24 bits, any seed
 
 
 def test_top_k_and_top_p_restrict_the_choice():
     logits = rng.normal(size=(8, 1026)).astype(np.float32)
     top5 = np.argsort(-logits, axis=-1)[:, :5]
-    r = np.random.default_rng(0)
-    for _ in range(50):
-        codes = choose_codes(logits, Sampling(temperature=2.0, top_k=5), r)
+    for row in range(50):
+        codes = choose_row(logits, 2.0, 5, 1.0, seed=0, row=row)
         assert all(c in top5[k] for k, c in enumerate(codes))
     # a tiny nucleus leaves only the best code
     best = np.argmax(logits, axis=-1)
-    assert np.array_equal(choose_codes(logits, Sampling(temperature=1.0, top_p=1e-6), r), best)
+    assert np.array_equal(choose_row(logits, 1.0, 0, 1e-6, seed=0, row=0), best)
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0])
 def test_sampling_follows_the_distribution(temperature):
     logits = np.log(np.array([[0.5, 0.3, 0.2] + [1e-12] * 1023] * 8, np.float64))
-    r = np.random.default_rng(0)
     counts = np.zeros(3)
-    for _ in range(2000):
-        counts += np.bincount(choose_codes(logits, Sampling(temperature=temperature), r), minlength=1026)[:3]
+    for row in range(2000):
+        counts += np.bincount(choose_row(logits, temperature, 0, 1.0, seed=0, row=row), minlength=1026)[:3]
     p = np.array([0.5, 0.3, 0.2]) ** (1 / temperature)
     assert np.allclose(counts / counts.sum(), p / p.sum(), atol=0.02)
