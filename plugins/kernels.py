@@ -1,20 +1,75 @@
-"""Triton kernels of the two custom ops. The same source is JIT-launched by the GPU tests and compiled ahead of time
-to PTX for TensorRT's AOT plugins (plugins/qdp.py). Argument order is TensorRT's for AOT plugins: tensor inputs,
-then int32 scalars, then tensor outputs (an aliased output is a separate argument pointing at its input).
+"""Triton kernels of the custom ops. The same source is JIT-launched by the GPU tests and the GPU decode path
+(builder/gpu_engine.py) and compiled ahead of time to PTX for TensorRT's AOT plugins (plugins/qdp.py). Argument order
+of the plugin entries is TensorRT's for AOT plugins: tensor inputs, then int32 scalars, then tensor outputs (an
+aliased output is a separate argument pointing at its input).
 
 rope_kv_write: per (batch row, position), for all heads, NeoX half-split RoPE with the bf16 cos/sin table at position
   write_pos[b] + s, in fp32 with one rounding to bf16: q heads go to q_out, k heads are written into the key cache
   at that position and v rows into the value cache (in place; rows at or past max_seq are dropped).
+  qk_norm_rope_kv_write is the GPU path's form: it reads the fused q|k|v projection rows and applies the per-head
+  q/k RMSNorm first.
 delayed_codebook_step: per batch row, per codebook: argmax over the 1026 logits (ties to the lowest index) or,
   where temperature[b] > 0, seeded sampling (temperature, top-k, top-p); then the delay mask (BOC before row k,
   EOC from the end frame on); then the next input embedding Σ_k table[k·1026 + code_k], fp32 sum, one bf16 round.
+  delayed_codebook_sample is the GPU path's form: it also finds the utterance's end frame from this row's EOCs (the
+  rule of runtime/decoding.py) and embeds the row as it is fed back, masked with that end.
+cache_attention / decode_attention: causal attention of new rows over a static KV cache [B, Hkv, S_max, D] (GQA),
+  reading only each row's valid prefix (keys 0..write_pos[b] + s). decode_attention (one new row) splits the prefix
+  into fixed chunks of CHUNK keys for parallelism and combines them in chunk order: a row's result depends only on
+  its own length, never on the batch.
 """
+
+import os
 
 import triton
 import triton.language as tl
 
+# Triton's interpreter (CI runs the kernels with TRITON_INTERPRET=1) multiplies bf16 and fp8 tiles as raw integers in
+# tl.dot, and its fp32 → fp8 cast loses a rounding that carries into the exponent (127.2 → 64, not 128). Under it,
+# `mma` widens the operands to fp32 first (the same exact products) and `to_fp8` rounds in fp32 arithmetic first.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 BOC = tl.constexpr(1024)
 EOC = tl.constexpr(1025)
+NEG = tl.constexpr(-1.0e30)  # a running max that no real score is below, and exp(NEG - NEG) = 1 stays finite
+
+
+@triton.jit
+def mma(a, b, acc):
+    """acc + a @ b on the tensor cores (fp32 accumulation)."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def to_fp8(v):
+    """fp32 [−448, 448] → float8e4nv, round to nearest even."""
+    if INTERPRETED:
+        a = tl.abs(v)
+        exponent = tl.minimum(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0), 8.0)
+        step = tl.exp2(exponent - 3.0)  # 3 mantissa bits; below 2^-6 the subnormal spacing 2^-9
+        y = a / step
+        r = tl.floor(y + 0.5)
+        r = tl.where((r - y == 0.5) & (r % 2 == 1), r - 1.0, r)
+        v = tl.where(v < 0, -r * step, r * step)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _rotate(x1, x2, c, sn):
+    return x1 * c - x2 * sn, x2 * c + x1 * sn
+
+
+@triton.jit
+def _head_norm(x1, x2, weight, eps, d, HALF: tl.constexpr):
+    """Per-head RMSNorm over the two halves [heads, HALF] (fp32 statistics, bf16 rounding as the reference)."""
+    inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(weight + d).to(tl.float32)
+    w2 = tl.load(weight + HALF + d).to(tl.float32)
+    y1 = (w1 * (x1 * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+    y2 = (w2 * (x2 * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+    return y1, y2
 
 
 @triton.jit
@@ -35,22 +90,167 @@ def rope_kv_write(q, k, v, cos, sin, write_pos, k_cache_in, v_cache_in,
     hq = tl.arange(0, triton.next_power_of_2(Q_HEADS))[:, None]
     rows = ((b * Q_HEADS + hq) * seq + s) * (2 * HALF)
     heads = hq < Q_HEADS
-    x1 = tl.load(q + rows + d, mask=heads).to(tl.float32)
-    x2 = tl.load(q + rows + HALF + d, mask=heads).to(tl.float32)
-    tl.store(q_out + rows + d, (x1 * c - x2 * sn).to(tl.bfloat16), mask=heads)
-    tl.store(q_out + rows + HALF + d, (x2 * c + x1 * sn).to(tl.bfloat16), mask=heads)
+    y1, y2 = _rotate(tl.load(q + rows + d, mask=heads).to(tl.float32),
+                     tl.load(q + rows + HALF + d, mask=heads).to(tl.float32), c, sn)
+    tl.store(q_out + rows + d, y1.to(tl.bfloat16), mask=heads)
+    tl.store(q_out + rows + HALF + d, y2.to(tl.bfloat16), mask=heads)
 
     hk = tl.arange(0, triton.next_power_of_2(KV_HEADS))[:, None]
     src = ((b * KV_HEADS + hk) * seq + s) * (2 * HALF)
     dst = ((b * KV_HEADS + hk) * max_seq + pos) * (2 * HALF)
     heads = hk < KV_HEADS
     keep = heads & inside
-    x1 = tl.load(k + src + d, mask=heads).to(tl.float32)
-    x2 = tl.load(k + src + HALF + d, mask=heads).to(tl.float32)
-    tl.store(k_cache + dst + d, (x1 * c - x2 * sn).to(tl.bfloat16), mask=keep)
-    tl.store(k_cache + dst + HALF + d, (x2 * c + x1 * sn).to(tl.bfloat16), mask=keep)
+    y1, y2 = _rotate(tl.load(k + src + d, mask=heads).to(tl.float32),
+                     tl.load(k + src + HALF + d, mask=heads).to(tl.float32), c, sn)
+    tl.store(k_cache + dst + d, y1.to(tl.bfloat16), mask=keep)
+    tl.store(k_cache + dst + HALF + d, y2.to(tl.bfloat16), mask=keep)
     tl.store(v_cache + dst + d, tl.load(v + src + d, mask=heads), mask=keep)
     tl.store(v_cache + dst + HALF + d, tl.load(v + src + HALF + d, mask=heads), mask=keep)
+
+
+@triton.jit
+def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, q_out, k_cache, v_cache, seq, max_seq, eps,
+                          Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    """One program per (batch row, new position). qkv [B·S, (Hq + 2·Hkv)·D] is the fused projection's output;
+    q_out [B·S, Hq·D] gets q normalised and rotated; k (normalised, rotated) and v go into the caches."""
+    bs = tl.program_id(0)
+    b = bs // seq
+    s = bs % seq
+    D: tl.constexpr = 2 * HALF
+    ROW: tl.constexpr = (Q_HEADS + 2 * KV_HEADS) * D
+    pos = tl.load(write_pos + b) + s
+    d = tl.arange(0, HALF)[None, :]
+    inside = (d * 0 + pos) < max_seq
+    c = tl.load(cos + pos * HALF + d, mask=inside, other=0.0).to(tl.float32)
+    sn = tl.load(sin + pos * HALF + d, mask=inside, other=0.0).to(tl.float32)
+    src = qkv + bs * ROW
+
+    hq = tl.arange(0, triton.next_power_of_2(Q_HEADS))[:, None]
+    heads = hq < Q_HEADS
+    x1, x2 = _head_norm(tl.load(src + hq * D + d, mask=heads, other=0.0).to(tl.float32),
+                        tl.load(src + hq * D + HALF + d, mask=heads, other=0.0).to(tl.float32), q_norm, eps, d, HALF)
+    y1, y2 = _rotate(x1, x2, c, sn)
+    tl.store(q_out + bs * Q_HEADS * D + hq * D + d, y1.to(tl.bfloat16), mask=heads)
+    tl.store(q_out + bs * Q_HEADS * D + hq * D + HALF + d, y2.to(tl.bfloat16), mask=heads)
+
+    hk = tl.arange(0, triton.next_power_of_2(KV_HEADS))[:, None]
+    heads = hk < KV_HEADS
+    keep = heads & inside
+    dst = ((b * KV_HEADS + hk) * max_seq + pos) * D
+    k_src = src + Q_HEADS * D + hk * D
+    x1, x2 = _head_norm(tl.load(k_src + d, mask=heads, other=0.0).to(tl.float32),
+                        tl.load(k_src + HALF + d, mask=heads, other=0.0).to(tl.float32), k_norm, eps, d, HALF)
+    y1, y2 = _rotate(x1, x2, c, sn)
+    tl.store(k_cache + dst + d, y1.to(tl.bfloat16), mask=keep)
+    tl.store(k_cache + dst + HALF + d, y2.to(tl.bfloat16), mask=keep)
+    v_src = src + (Q_HEADS + KV_HEADS) * D + hk * D
+    tl.store(v_cache + dst + d, tl.load(v_src + d, mask=heads), mask=keep)
+    tl.store(v_cache + dst + HALF + d, tl.load(v_src + HALF + d, mask=heads), mask=keep)
+
+
+@triton.jit
+def _attend(q_tile, k_rows, v_rows, start, stop, q_pos, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Online softmax of q_tile [R, D] (pre-scaled, bf16) over keys start..stop-1 of one head's cache rows, key j
+    visible to query row r when j ≤ q_pos[r]. Returns (unnormalised output [R, D], running max [R], sum [R])."""
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([q_tile.shape[0]], NEG, tl.float32)
+    l = tl.zeros([q_tile.shape[0]], tl.float32)
+    acc = tl.zeros([q_tile.shape[0], HEAD_DIM], tl.float32)
+    for s0 in range(start, stop, BLOCK_S):
+        j = s0 + tl.arange(0, BLOCK_S)
+        inside = j < stop
+        kt = tl.load(k_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
+        vt = tl.load(v_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
+        scores = mma(q_tile, tl.trans(kt), tl.zeros([q_tile.shape[0], BLOCK_S], tl.float32))
+        scores = tl.where(inside[None, :] & (j[None, :] <= q_pos[:, None]), scores, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = mma(p.to(tl.bfloat16), vt, acc * alpha[:, None])
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def cache_attention(q, k_cache, v_cache, write_pos,
+                    seq, max_seq,
+                    out,
+                    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """Plugin form. q [B, Hq, S, D] (RoPE applied), caches [B, Hkv, max_seq, D] already holding the new rows →
+    out [B, Hq, S, D]. Grid (B, Hkv, ⌈S·G / BLOCK_Q⌉), G = Hq / Hkv query heads per KV head."""
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    G: tl.constexpr = Q_HEADS // KV_HEADS
+    r = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    valid = r < seq * G
+    s = r // G
+    head = g * G + r % G
+    q_pos = tl.where(valid, tl.load(write_pos + b) + s, 0)
+    d = tl.arange(0, HEAD_DIM)
+    rows = ((b * Q_HEADS + head) * seq + s) * HEAD_DIM
+    scale = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
+    q_tile = (tl.load(q + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+              * scale).to(tl.bfloat16)
+    cache = (b * KV_HEADS + g) * max_seq * HEAD_DIM
+    stop = tl.minimum(tl.max(q_pos, axis=0) + 1, max_seq)
+    acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, 0, stop, q_pos, HEAD_DIM, BLOCK_S)
+    tl.store(out + rows[:, None] + d[None, :], (acc / l[:, None]).to(tl.bfloat16), mask=valid[:, None])
+
+
+@triton.jit
+def decode_attention(q, k_cache, v_cache, write_pos, out, partials, stats, tickets, max_seq,
+                     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """GPU path, one new row per batch row: q [B, Hq·D] → out [B, Hq·D]. Grid (B, Hkv, MAX_CHUNKS); program c reads
+    keys [c·CHUNK, (c+1)·CHUNK) of the row's prefix 0..write_pos[b]. A prefix of several chunks is combined, in chunk
+    order, by the program that finishes last (partials [B, Hq, MAX_CHUNKS, D], stats [B, Hq, MAX_CHUNKS, 2] fp32)."""
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    c = tl.program_id(2)
+    G: tl.constexpr = Q_HEADS // KV_HEADS
+    length = tl.minimum(tl.load(write_pos + b) + 1, max_seq)
+    start = c * CHUNK
+    if start < length:
+        r = tl.arange(0, 16)  # one MMA tile of rows; G of them are real
+        valid = r < G
+        head = g * G + tl.where(valid, r, 0)
+        d = tl.arange(0, HEAD_DIM)
+        scale = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
+        q_rows = (b * Q_HEADS + head) * HEAD_DIM
+        q_tile = (tl.load(q + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                  * scale).to(tl.bfloat16)
+        cache = (b * KV_HEADS + g) * max_seq * HEAD_DIM
+        q_pos = tl.zeros([16], tl.int64) + (length - 1)
+        acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, start, tl.minimum(start + CHUNK, length),
+                            q_pos, HEAD_DIM, BLOCK_S)
+        chunks = (length + CHUNK - 1) // CHUNK
+        if chunks == 1:
+            tl.store(out + q_rows[:, None] + d[None, :], (acc / l[:, None]).to(tl.bfloat16), mask=valid[:, None])
+        else:
+            part = (b * Q_HEADS + head) * MAX_CHUNKS
+            tl.store(partials + (part + c)[:, None] * HEAD_DIM + d[None, :], acc, mask=valid[:, None])
+            tl.store(stats + (part + c) * 2, m, mask=valid)
+            tl.store(stats + (part + c) * 2 + 1, l, mask=valid)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tickets + b * KV_HEADS + g, 1, sem="acq_rel", scope="gpu")
+            if ticket == chunks - 1:
+                tl.debug_barrier()
+                top = tl.full([16], NEG, tl.float32)
+                for i in range(0, chunks):
+                    top = tl.maximum(top, tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg"))
+                total = tl.zeros([16, HEAD_DIM], tl.float32)
+                norm = tl.zeros([16], tl.float32)
+                for i in range(0, chunks):
+                    w = tl.exp(tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg") - top)
+                    norm += w * tl.load(stats + (part + i) * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+                    total += w[:, None] * tl.load(partials + (part + i)[:, None] * HEAD_DIM + d[None, :],
+                                                  mask=valid[:, None], other=0.0, cache_modifier=".cg")
+                norm = tl.where(valid, norm, 1.0)
+                tl.store(out + q_rows[:, None] + d[None, :], (total / norm[:, None]).to(tl.bfloat16),
+                         mask=valid[:, None])
+                tl.atomic_xchg(tickets + b * KV_HEADS + g, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -96,9 +296,9 @@ def _sample(x, valid, t, top_k, top_p, u, vocab, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _codebook_row(logits, b, hb, row, end, table, temperature, top_k, top_p, seed, codes, embedding,
+def _codebook_row(logits, b, hb, row, end, table, temperature, top_k, top_p, seed, codes, embedding, end_next,
                   K: tl.constexpr, VOCAB: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_V: tl.constexpr,
-                  BLOCK_H: tl.constexpr, SAMPLING: tl.constexpr):
+                  BLOCK_H: tl.constexpr, SAMPLING: tl.constexpr, FIND_END: tl.constexpr):
     """Program (b, hb): all K codes of row b (each program of the row computes them alike; hb 0 stores them),
     then the embedding's hidden slice hb."""
     books = tl.arange(0, K)
@@ -116,10 +316,17 @@ def _codebook_row(logits, b, hb, row, end, table, temperature, top_k, top_p, see
                 chosen = tl.where(books == k, code.to(tl.int32), chosen)
     chosen = tl.where(row < books, BOC, chosen)
     chosen = tl.where(row - books >= end, EOC, chosen)
+    fed = chosen
+    if FIND_END:  # EOC on codebook 0 ends the audio at this row's frame; after the ramp-up, on codebook k at row - k
+        counts = (chosen == EOC) & ((books == 0) | (row >= K)) & (row - books >= 0)
+        end = tl.minimum(end, tl.min(tl.where(counts, row - books, end), axis=0))
+        fed = tl.where(row - books >= end, EOC, chosen)
+        if hb == 0:
+            tl.store(end_next + b, end)
     if hb == 0:
         tl.store(codes + b * K + books, chosen)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    rows = books.to(tl.int64) * VOCAB + chosen
+    rows = books.to(tl.int64) * VOCAB + fed
     gathered = tl.load(table + rows[:, None] * HIDDEN + h[None, :], mask=h[None, :] < HIDDEN, other=0.0)
     tl.store(embedding + b * HIDDEN + h, tl.sum(gathered.to(tl.float32), axis=0).to(tl.bfloat16), mask=h < HIDDEN)
 
@@ -132,15 +339,16 @@ def delayed_codebook_step(logits, row_index, end_frame, table,
     """Greedy: the engine's step (its graph contract samples on the host, when it samples). Grid (B, ⌈H/BLOCK_H⌉)."""
     b = tl.program_id(0)
     _codebook_row(logits, b, tl.program_id(1), tl.load(row_index + b), tl.load(end_frame + b), table, table, table,
-                  table, table, codes, embedding, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, False)
+                  table, table, codes, embedding, codes, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, False, False)
 
 
 @triton.jit
 def delayed_codebook_sample(logits, row_index, end_frame, table, temperature, top_k, top_p, seed,
-                            codes, embedding,
+                            codes, embedding, end_next,
                             K: tl.constexpr, VOCAB: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_V: tl.constexpr,
                             BLOCK_H: tl.constexpr):
-    """Per row: greedy where temperature[b] is 0, else seeded sampling; state (row, end, seed) lives on the device."""
+    """GPU path: greedy where temperature[b] is 0, else seeded sampling; the state (row, end, seed) lives on the
+    device; end_next gets the end frame after this row (builder/gpu_kernels.advance_slots makes it current)."""
     b = tl.program_id(0)
     _codebook_row(logits, b, tl.program_id(1), tl.load(row_index + b), tl.load(end_frame + b), table, temperature,
-                  top_k, top_p, seed, codes, embedding, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, True)
+                  top_k, top_p, seed, codes, embedding, end_next, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, True, True)

@@ -77,7 +77,8 @@ def test_delayed_codebook_step_matches_torch(b):
 
 
 def test_sampling_kernel_matches_its_reference():
-    from higgs_trt.plugins import kernels, reference
+    from higgs_trt.plugins import kernels
+    from higgs_trt.runtime import sampling as reference
     from higgs_trt.plugins.aot import NUM_WARPS, constants_for, grid
 
     b = 64
@@ -93,7 +94,7 @@ def test_sampling_kernel_matches_its_reference():
     embedding = torch.empty(b, HIDDEN, device="cuda", dtype=torch.bfloat16)
     constants = constants_for("delayed_codebook_step", D, HIDDEN, HQ, HKV)
     kernels.delayed_codebook_sample[grid("delayed_codebook_step", constants, b)](
-        logits, row, end, table, temperature, top_k, top_p, seed, codes, embedding, **constants,
+        logits, row, end, table, temperature, top_k, top_p, seed, codes, embedding, torch.empty_like(row), **constants,
         num_warps=NUM_WARPS["delayed_codebook_step"])
     x, t, tk, tp = logits.cpu().numpy(), temperature.tolist(), top_k.tolist(), top_p.tolist()
     want = np.array([[reference.sample(x[i, k], t[i], tk[i], tp[i], reference.uniform(i, 30, k)) if t[i] > 0

@@ -19,6 +19,7 @@ from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.generate import NO_END, generate, prefill_feeds, step_feeds
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.ort_backend import OrtBackend
+from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 
 pytest.importorskip("triton")
@@ -42,15 +43,13 @@ def test_plugin_nodes_and_functions(tiny_plugin_engine):
 
 
 def test_ort_plugin_path_matches_native_path_and_torch(tiny_plugin_engine, tiny_engine, tiny_ckpt):
-    plugin, native = OrtBackend(EngineDir(tiny_plugin_engine), "cpu"), OrtBackend(EngineDir(tiny_engine), "cpu")
-    torch_plugin = TorchBackend(tiny_ckpt, max_seq=160, device="cpu")
+    plugin, native = OrtBackend(EngineDir(tiny_plugin_engine)), OrtBackend(EngineDir(tiny_engine))
+    torch_plugin = TorchBackend(tiny_ckpt, max_seq=160, max_batch=4)
     torch_plugin.model.ops = PluginOps  # the torch model on the plugin path: the custom ops' eager bodies
     tok = HiggsTokenizer(tiny_ckpt / "tokenizer.json")
     prompt = build_prompt(tok, "Plugins or not, the same numbers.")
     rng = np.random.default_rng(4)
     backends = (plugin, native, torch_plugin)
-    for be in backends:
-        be.start(1)
     outs = [be.lm(prefill_feeds([prompt])) for be in backends]
     worst = 0.0
     for step in range(33):
@@ -62,7 +61,7 @@ def test_ort_plugin_path_matches_native_path_and_torch(tiny_plugin_engine, tiny_
         outs = [(lo.copy(), co.copy()) for lo, co in (be.lm(feeds) for be in backends)]
     assert worst < 1e-4, worst
     prompts = [build_prompt(tok, t) for t in ("Hello world.", "Numbers: 1, 2, 3!")]
-    for a, b in zip(generate(plugin, prompts, Sampling()), generate(native, prompts, Sampling())):
+    for a, b in zip(generate(HostStepper(plugin), prompts, Sampling()), generate(HostStepper(native), prompts, Sampling())):
         assert np.array_equal(a.frames, b.frames) and a.stop_reason == b.stop_reason
 
 
@@ -82,7 +81,8 @@ KERNEL_CHECK = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
-from higgs_trt.plugins import kernels, reference
+from higgs_trt.plugins import kernels
+from higgs_trt.runtime import sampling as reference
 from higgs_trt.plugins.ops import rope_kv_write, delayed_codebook_step
 from higgs_trt.builder.model import rope_table
 from higgs_trt.builder.config import HiggsConfig
@@ -118,8 +118,9 @@ exact = table.float()[(rc.long() + torch.arange(K) * V)].sum(1)  # fp32 sum, rou
 assert ((emb.float() - exact).abs() <= ulp(exact)).all()
 temp = torch.tensor([0.0, 1.0]); topk = torch.tensor([0, 50], dtype=torch.int32); topp = torch.tensor([1.0, 0.9])
 seed = torch.tensor([7, 8]); row = torch.tensor([30, 30]); end = torch.tensor([1 << 40, 1 << 40])
-kernels.delayed_codebook_sample[(B, 2)](logits, row, end, table, temp, topk, topp, seed, codes, emb, K=K, VOCAB=V,
-                                      HIDDEN=H, BLOCK_V=2048, BLOCK_H=32)
+end_next = torch.empty(B, dtype=torch.int64)
+kernels.delayed_codebook_sample[(B, 2)](logits, row, end, table, temp, topk, topp, seed, codes, emb, end_next, K=K,
+                                      VOCAB=V, HIDDEN=H, BLOCK_V=2048, BLOCK_H=32)
 want = [[reference.sample(logits[b, k].numpy(), float(temp[b]), int(topk[b]), float(topp[b]),
                           reference.uniform(int(seed[b]), 30, k)) if temp[b] > 0 else int(logits[b, k].argmax())
          for k in range(K)] for b in range(B)]

@@ -1,0 +1,258 @@
+"""GPU figures for the engine design (needs a CUDA GPU): the linear kernel's tile shapes, and the whole decode step.
+
+Everything is measured side by side in one process, against the device's copy bandwidth measured in the same run:
+the floor of a decode step is the bytes of weights it must read (FP8 halves the decoder's) over that bandwidth.
+Random weights at the checkpoint's dimensions: timing does not depend on the values (nor on the text, which only
+sets how many keys attention reads: each slot is put at `context` cached positions).
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from higgs_trt.plugins.bench import copy_bandwidth
+
+from .config import HiggsConfig
+from .gpu_engine import BUCKETS, TUNED, GpuEngine, Linear, TileConfig, Workspace
+from .model import HiggsLM
+
+REPS = 30
+
+
+def graph_ms(fn, reps: int = REPS) -> float:
+    """Median time of one replay of a CUDA graph holding `fn` (warmed up first, on a side stream)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return float(np.median(times))
+
+
+def random_tensors(cfg: HiggsConfig, device: str = "cuda", seed: int = 0) -> dict:
+    """The language model's tensors at the checkpoint's names and shapes, random (std 0.02; norms near 1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in HiggsLM.expected_tensors(cfg).items():
+        t = torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16)
+        out[name] = 1 + 0.1 * t if name.endswith("norm.weight") else 0.02 * t
+    return out
+
+
+def weight_bytes(engine: GpuEngine) -> int:
+    """Bytes one decode step must read: every decoder weight (+ FP8 scales) and the audio head."""
+    total = engine.head.weight.nbytes
+    for layer in engine.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for t in (lin.weight, lin.up, lin.scale, lin.up_scale):
+                total += t.nbytes if t is not None else 0
+    return total
+
+
+# ---- linear tile shapes ------------------------------------------------------------------------------------------
+
+def shapes(cfg: HiggsConfig) -> dict:
+    h, d = cfg.hidden_size, cfg.head_dim
+    return {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, False), "o": (h, cfg.num_heads * d, False),
+            "gate_up": (cfg.intermediate_size, h, True), "down": (h, cfg.intermediate_size, False),
+            "head": (cfg.audio_table_rows, h, False)}
+
+
+SMS = 132  # H200 multiprocessors
+
+
+def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 12) -> list[TileConfig]:
+    """Tile shapes worth timing, ranked by a model of the weight read: the programs should fill every SM in whole
+    waves (the last, partial wave is idle bandwidth), with enough of them resident per SM to keep loads in flight."""
+    ranked = []
+    for block_n in (16, 32, 64, 128):
+        for split in (1, 2, 4, 8):
+            programs = -(-n // block_n) * split
+            if programs < SMS or k // split < 256:
+                continue
+            for block_k in ((512, 1024) if fp8 else (256, 512)):
+                for stages in (2, 3, 4):
+                    stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 16 * 2)
+                    resident = min(4, (220 * 1024) // (stage * stages))
+                    if resident < 1:
+                        continue
+                    waves = programs / (SMS * resident)
+                    fill = waves / -(-waves // 1)
+                    ranked.append((fill * min(1.0, resident * stages * stage / 96e3), block_k, block_n, split, stages))
+    ranked.sort(reverse=True)
+    return [TileConfig(bn, bk, sp, 8 if fp8 else 4, st) for _, bk, bn, sp, st in ranked[:limit]]
+
+
+def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: int, copies: list) -> float:
+    ws = Workspace(max(n, 16), 64, 1, 1, 16, 16, "cuda")
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        for lin in copies:
+            lin(x, out, m, ws, tiles=tiles)
+    return graph_ms(run) / len(copies)
+
+
+def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, say=print) -> dict:
+    """Per weight shape and precision: every candidate at M=1, the best few again at M=16 and 64; the winner
+    (least M=1 + M=64 time) goes into TUNED for the rest of this process. Stops trying new shapes at the budget."""
+    t_end = time.perf_counter() + budget_s
+    bandwidth = copy_bandwidth()
+    say(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    best = {}
+    order = ("gate_up", "down", "qkv", "o", "head")  # largest share of the step first
+    for name, (n, k, gated) in sorted(shapes(cfg).items(), key=lambda kv: order.index(kv[0])):
+        for fp8 in ((False,) if name == "head" else (False, True)):
+            if time.perf_counter() > t_end:
+                say(f"  {name} {'fp8' if fp8 else 'bf16'}: skipped (time budget)")
+                continue
+            amax = 4.0 if fp8 else None
+            one = Linear(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+                         torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 if gated else None, act_amax=amax)
+            size = one.weight.nbytes * (2 if gated else 1)
+            copies = [one] + [_clone(one) for _ in range(max(1, -(-200_000_000 // size)) - 1)]  # past the L2
+            results = []
+            for tiles in candidates(n, k, gated, fp8):
+                try:
+                    results.append((time_linear(n, k, gated, fp8, tiles, 1, copies), tiles))
+                except Exception as e:  # a tile shape the compiler refuses (shared memory, registers)
+                    say(f"    {tiles}: {type(e).__name__}")
+            results.sort(key=lambda r: r[0])
+            finals = []
+            for t1, tiles in results[:5]:
+                try:
+                    t16 = time_linear(n, k, gated, fp8, tiles, 16, copies)
+                    t64 = time_linear(n, k, gated, fp8, tiles, 64, copies)
+                except Exception as e:  # fits one 16-row tile but not four
+                    say(f"    {tiles} at M=64: {type(e).__name__}")
+                    continue
+                finals.append((t1 + t64, t1, t16, t64, tiles))
+            if not finals:
+                say(f"  {name} {'fp8' if fp8 else 'bf16'}: no tile shape ran at M=64")
+                continue
+            finals.sort(key=lambda r: r[0])
+            _, t1, t16, t64, tiles = finals[0]
+            best[(n, k, fp8)] = tiles
+            TUNED[(n, k, fp8)] = tiles
+            say(f"  {name:<8}{'fp8' if fp8 else 'bf16':<5} N={n:<6}K={k:<6} {t1 * 1e3:7.1f} / {t16 * 1e3:7.1f} / "
+                f"{t64 * 1e3:7.1f} µs at M=1/16/64  {size / (t1 * 1e-3) / 1e12:5.2f} TB/s at M=1  "
+                f"({100 * size / (t1 * 1e-3) / bandwidth:4.1f}% of copy)  {tiles}")
+            del copies
+    return best
+
+
+def _clone(lin: Linear) -> Linear:
+    other = object.__new__(Linear)
+    other.__dict__.update(lin.__dict__)
+    for attr in ("weight", "up", "scale", "up_scale"):
+        value = getattr(lin, attr)
+        setattr(other, attr, value.clone() if value is not None else None)
+    return other
+
+
+# ---- the decode step --------------------------------------------------------------------------------------------
+
+@dataclass
+class StepFigures:
+    batch: int
+    precision: str
+    step_ms: float
+    floor_ms: float
+
+    @property
+    def audio_s_per_s(self) -> float:
+        return self.batch / (self.step_ms * 1e-3 * 25)
+
+
+def step_ms(engine: GpuEngine, batch: int, context: int) -> float:
+    """Median time of one decode step (its captured graph) with `batch` active slots at `context` positions."""
+    n = engine._bucket(batch)
+    graph = engine.graphs[n, 0]
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    with torch.cuda.stream(engine.stream):
+        engine.active[:batch] = 1
+        for _ in range(REPS):
+            engine.write_pos[:batch] = context  # keep the attention length fixed across replays
+            start.record()
+            graph.replay()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        engine.active.zero_()
+    return float(np.median(times))
+
+
+def bench_steps(cfg: HiggsConfig, batches=(1, 8, 64), context: int = 300, fp8_options=(False, True),
+                max_seq: int = 2048, say=print) -> list[StepFigures]:
+    bandwidth = copy_bandwidth()
+    tensors = random_tensors(cfg)
+    figures = []
+    for fp8 in fp8_options:
+        amax = {f"body.layers.{i}.{site}": 4.0 for i in range(cfg.num_layers)
+                for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")} if fp8 else None
+        t0 = time.perf_counter()
+        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=512, act_amax=amax)
+        floor = weight_bytes(engine) / bandwidth * 1e3  # the copy rate counts bytes read + written, as the floor's
+        say(f"{engine.precision}: engine built and {len(engine.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s; "
+            f"weights read per step {weight_bytes(engine) / 1e9:.2f} GB → floor {floor:.3f} ms "
+            f"(copy {bandwidth / 1e12:.2f} TB/s); peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        for b in batches:
+            ms = step_ms(engine, b, context)
+            f = StepFigures(b, engine.precision, ms, floor)
+            figures.append(f)
+            say(f"  B={b:<3} {ms:7.3f} ms/step  ({ms / floor:4.2f}× floor)  {f.audio_s_per_s:8.1f} audio-s/s")
+        del engine
+        torch.cuda.empty_cache()
+    return figures
+
+
+# ---- the whole loop: bench decode ------------------------------------------------------------------------------
+
+def bench_decode(engine: GpuEngine, prompt, batches=(1, 8, 64), rows: int = 250, context: int = 300,
+                 say=print) -> None:
+    """Per batch size: ms per step (graph replay), host µs per row (the scheduler's loop, outside waits on the
+    GPU), audio-s/s of decode, and time to first audio of one stream (prefill, the rows of the first exact chunk,
+    its codec window); the floor and peak GPU memory."""
+    from higgs_trt.runtime.decoding import Sampling
+    from higgs_trt.runtime.scheduler import Scheduler, request_for
+
+    bandwidth = copy_bandwidth()
+    floor = weight_bytes(engine) / bandwidth * 1e3
+    say(f"{engine.precision}: weights read per step {weight_bytes(engine) / 1e9:.2f} GB, copy {bandwidth / 1e12:.2f} TB/s"
+        f" → floor {floor:.3f} ms")
+    # one stream through the scheduler, greedy then sampled: TTFA and host time per row
+    for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
+        scheduler = Scheduler(engine)
+        for _ in range(2):  # the first run warms the prefill's kernels
+            engine.waited = 0.0
+            engine.codec_seconds.clear()
+            request = scheduler.submit(request_for(engine, prompt, sampling, hard_cap=rows))
+            t0 = time.perf_counter()
+            scheduler.run()
+            wall = time.perf_counter() - t0
+        n = len(request.utterance.rows)
+        codec = sum(engine.codec_seconds)
+        host = (wall - engine.waited - codec) / n
+        say(f"  1 stream {'greedy' if sampling.greedy else 'T=1':<7} {n} rows in {wall * 1e3:7.1f} ms: "
+            f"first audio {1e3 * (request.first_audio_at - request.submitted_at):6.1f} ms, host {1e6 * host:5.1f} µs/row")
+    torch.cuda.reset_peak_memory_stats()
+    for b in batches:
+        if b > engine.max_batch:
+            continue
+        ms = step_ms(engine, b, context)
+        say(f"  B={b:<3} {ms:7.3f} ms/step ({ms / floor:4.2f}× floor)  {b / (ms * 1e-3 * 25):8.1f} audio-s/s of decode")
+    say(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")

@@ -1,0 +1,406 @@
+"""The engine design on a CUDA GPU without TensorRT: static KV slots, the plugin kernels, CUDA graphs, FP8 GEMMs.
+
+This is `--backend torch` on a GPU and the measure of what the engines cost on real hardware. It keeps the engine's
+contract (fixed slots of [Hkv, S_max, D] caches, a prefill into one slot, one step for the first n slots) and runs
+every decode-step operation as one of the project's kernels:
+
+  per layer: rms_norm → linear(q|k|v) → qk_norm_rope_kv_write (cache written in place) → decode_attention (each
+             row's valid prefix only) → linear(o) + residual → rms_norm → linear(gate, up) · silu → linear(down) +
+             residual
+  then:      rms_norm → linear(audio table) → delayed_codebook_sample (argmax or seeded sampling, delay mask, end
+             frame, next row's embedding) → advance_slots
+
+All state a step needs lives on the device (positions, row index, end frame, sampling parameters, the next
+embedding), so step n+1 follows step n without the host; the host reads each step's codes from pinned memory one
+step late. A step is replayed from a CUDA graph per batch bucket, captured at start-up. The kernels are batch
+invariant (builder/gpu_kernels.py), so a request's codes do not depend on what else is in the batch.
+
+FP8 (--precision fp8): per-output-channel FP8 weights and the calibration's static per-tensor activation scales, the
+quantisation of the FP8 engine (calibration/qdq.py), executed by the linear kernel's FP8 path (not torch._scaled_mm,
+which is slower than BF16 at decode sizes: ../shared/docs/gpu-measurements.md). The audio table stays bf16.
+
+Prefill runs one request at a time (batch 1, so its numerics never depend on other requests): the same linear
+kernel, and SDPA's causal attention over the new rows.
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from higgs_trt.calibration.qdq import bf16_scale, quantize_weight
+from higgs_trt.plugins import kernels as plugin_kernels
+from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
+from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.generate import NO_END
+from higgs_trt.runtime.prompt import Prompt
+
+from . import gpu_kernels
+from .config import HiggsConfig
+from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ATTENTION_CHUNK = 256  # keys per decode-attention program; a row's split depends only on its own length
+ATTENTION_BLOCK = 64
+FP8_UPCAST = False  # multiply FP8 operands as bf16 (same products); `bench linear` compares both
+SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for the compiler's own
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int = 4
+    stages: int = 4
+
+
+def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig:
+    """Enough programs for every SM several times over (a GEMV is bound by its weight read), 16 output columns
+    each, K split when the columns alone give too few programs. `higgs-trt bench linear` measures alternatives.
+    On the CPU (Triton's interpreter, tests only) few large programs are fastest."""
+    if device == "cpu":
+        return TileConfig(64, 64, 1)
+    block_n = 16
+    split = 1
+    while (n // block_n) * split < 512 and split < 8:
+        split *= 2
+    return TileConfig(block_n, 512 if fp8 else 256, split)
+
+
+# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30: the best of 8-12 shapes each by M=1 + M=64 time);
+# shapes not listed use default_tiles. (N, K, fp8) → tiles.
+TUNED: dict[tuple[int, int, bool], TileConfig] = {
+    (9728, 2560, False): TileConfig(32, 256, 1),  # gate|up: 32.1 µs at M=1, 42.6 at M=64
+    (9728, 2560, True): TileConfig(32, 512, 1),  # 27.2 / 95.5
+    (2560, 9728, False): TileConfig(32, 256, 4),  # down: 17.9 / 43.2
+    (2560, 9728, True): TileConfig(32, 512, 8),  # 18.3 / 47.2
+    (6144, 2560, False): TileConfig(32, 256, 2),  # q|k|v: 12.6 / 30.5
+    (6144, 2560, True): TileConfig(32, 512, 4),  # 15.5 / 36.5
+    (2560, 4096, False): TileConfig(32, 256, 4),  # o: 10.4 / 23.9
+    (2560, 4096, True): TileConfig(32, 512, 8),  # 13.0 / 29.8
+    (8208, 2560, False): TileConfig(32, 256, 2),  # audio head: 17.9 / 39.1
+}
+
+
+class Linear:
+    """One weight [N, K] (bf16, or FP8 with a scale per row) with its tile shape; `up` makes it the gated pair."""
+
+    def __init__(self, weight: torch.Tensor, up: torch.Tensor | None = None, act_amax: float | None = None):
+        self.n, self.k = weight.shape
+        device = weight.device.type
+        self.fp8 = act_amax is not None
+        self.x_scale = float(bf16_scale(act_amax)) if self.fp8 else 1.0
+        self.weight, self.scale = self._store(weight)
+        self.up, self.up_scale = self._store(up) if up is not None else (None, None)
+        self.tiles = TUNED.get((self.n, self.k, self.fp8)) or default_tiles(self.n, self.k, self.fp8, device)
+
+    def _store(self, w: torch.Tensor):
+        if not self.fp8:
+            return w.to(torch.bfloat16).contiguous(), None
+        w8, scale = quantize_weight(w)
+        return w8.contiguous(), scale.to(w.device)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, m: int, workspace: "Workspace",
+                 residual: bool = False, tiles: TileConfig | None = None) -> None:
+        """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...)."""
+        t = tiles or self.tiles
+        split = t.split_k if m <= 64 else 1
+        rows = 16 * min(4, -(-m // 16))
+        grid = (-(-self.n // t.block_n), split)
+        # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
+        stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
+        stages = max(2, min(t.stages, SHARED_MEMORY // stage))
+        gpu_kernels.linear[grid](
+            x, self.weight, self.up if self.up is not None else self.weight,
+            self.scale if self.fp8 else x, self.up_scale if self.up_scale is not None else x,
+            out, out, workspace.partials, workspace.tickets, m, self.x_scale,
+            N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split, TILES=rows // 16,
+            FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
+            UPCAST=self.fp8 and FP8_UPCAST,
+            num_warps=t.warps, num_stages=stages)
+
+
+class Workspace:
+    """Scratch shared by every launch of a step (they run one after another on one stream)."""
+
+    def __init__(self, max_n: int, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_seq: int, device):
+        chunks = -(-max_seq // ATTENTION_CHUNK)
+        self.partials = torch.empty(2 * 8 * 64 * max_n, dtype=torch.float32, device=device)  # gated: two sets
+        self.tickets = torch.zeros(max_n, dtype=torch.int32, device=device)
+        self.attn_partials = torch.empty(max_batch, heads, chunks, head_dim, dtype=torch.float32, device=device)
+        self.attn_stats = torch.empty(max_batch, heads, chunks, 2, dtype=torch.float32, device=device)
+        self.attn_tickets = torch.zeros(max_batch * kv_heads, dtype=torch.int32, device=device)
+        self.chunks = chunks
+
+
+class Layer:
+    def __init__(self, cfg: HiggsConfig, t: dict, prefix: str, amax: dict | None):
+        def site(name):
+            return amax[prefix + name] if amax else None
+
+        a = prefix + "self_attn."
+        self.input_norm = t[prefix + "input_layernorm.weight"]
+        self.post_norm = t[prefix + "post_attention_layernorm.weight"]
+        self.q_norm, self.k_norm = t[a + "q_norm.weight"], t[a + "k_norm.weight"]
+        qkv = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]])
+        self.qkv = Linear(qkv, act_amax=site("self_attn.q_proj"))
+        self.o = Linear(t[a + "o_proj.weight"], act_amax=site("self_attn.o_proj"))
+        m = prefix + "mlp."
+        self.gate_up = Linear(t[m + "gate_proj.weight"], t[m + "up_proj.weight"], act_amax=site("mlp.gate_proj"))
+        self.down = Linear(t[m + "down_proj.weight"], act_amax=site("mlp.down_proj"))
+
+
+class GpuEngine:
+    """Slots × (KV cache + decode state) on one CUDA device; see the module docstring."""
+
+    name = "torch-cuda"
+    lag = 1  # a step's codes are read after the next step is launched
+
+    def __init__(self, cfg: HiggsConfig, tensors: dict, *, max_seq: int, max_batch: int, max_prompt: int,
+                 act_amax: dict | None = None, codec=None, device: str = "cuda", graphs: bool = True):
+        self.cfg, self.max_seq, self.max_batch, self.max_prompt = cfg, max_seq, max_batch, max_prompt
+        self.device = torch.device(device)
+        self.precision = "fp8" if act_amax else "bf16"
+        dev = self.device
+        t = {name: tensor.to(dev, torch.bfloat16) for name, tensor in tensors.items()}
+        self.layers = [Layer(cfg, t, f"body.layers.{i}.", act_amax) for i in range(cfg.num_layers)]
+        self.final_norm = t["body.norm.weight"]
+        self.table = t[AUDIO_TABLE]  # the audio embedding and the head (bf16 in both precisions)
+        self.head = Linear(self.table)
+        self.text_table = t[TEXT_EMBEDDING]
+        del t
+        self.cos, self.sin = (x.to(dev) for x in rope_table(cfg, max_seq, torch.bfloat16))
+        self.offsets = torch.arange(cfg.num_codebooks, device=dev) * cfg.codebook_vocab
+        self.codec_model = codec
+        self.codec_strides = codec.dims.strides if codec is not None else None
+
+        h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        rows = max(max_batch, max_prompt)
+        bf16 = dict(dtype=torch.bfloat16, device=dev)
+        self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
+        self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here
+        self.x = torch.zeros(rows, h, **bf16)
+        self.qkv_out = torch.zeros(rows, (hq + 2 * hkv) * d, **bf16)
+        self.q = torch.zeros(rows, hq * d, **bf16)
+        self.attn = torch.zeros(rows, hq * d, **bf16)
+        self.act = torch.zeros(rows, cfg.intermediate_size, **bf16)
+        self.logits = torch.zeros(max_batch, cfg.audio_table_rows, dtype=torch.float32, device=dev)
+        self.codes = torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, device=dev)
+        self.end_next = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        # per-slot decode state
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.write_pos = torch.zeros(max_batch, **i64)
+        self.row_index = torch.zeros(max_batch, **i64)
+        self.end_frame = torch.full((max_batch,), int(NO_END), **i64)
+        self.active = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.temperature = torch.zeros(max_batch, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(max_batch, **i64)
+        n_max = max(lin.n for lin in (self.layers[0].qkv, self.layers[0].gate_up, self.head))
+        self.workspace = Workspace(n_max, max_batch, hq, hkv, d, max_seq, dev)
+
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        pinned = dev.type == "cuda"
+        self.host_codes = [torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self.host_first = torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned)
+        self.epochs = [0] * max_batch  # bumped by each prefill: rows launched before it belong to the old request
+        self.live = [False] * max_batch
+        self.pending: list = []  # launches whose codes the host has not read: (event, kind, slots, epochs, parity)
+        self.waited = 0.0  # seconds the host spent waiting for the GPU in rows() (benchmarks read it)
+        self.codec_seconds: list[float] = []
+        self.parity = 0
+        self.graphs: dict = {}
+        if graphs and dev.type == "cuda":
+            self._capture_all()
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+
+    def _decode(self, n: int) -> None:
+        """Every kernel of one decode step for slots [0, n): the work a graph replays."""
+        cfg, ws = self.cfg, self.workspace
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, x = self.h[:n], self.x[:n]
+        for i, layer in enumerate(self.layers):
+            self._norm(h, layer.input_norm, x, n)
+            layer.qkv(x, self.qkv_out, n, ws)
+            k_cache, v_cache = self.caches[i, 0], self.caches[i, 1]
+            plugin_kernels.qk_norm_rope_kv_write[(n,)](
+                self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.write_pos, self.q, k_cache, v_cache,
+                1, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2)
+            plugin_kernels.decode_attention[(n, hkv, ws.chunks)](
+                self.q, k_cache, v_cache, self.write_pos, self.attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets,
+                self.max_seq, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
+                MAX_CHUNKS=ws.chunks)
+            layer.o(self.attn, h, n, ws, residual=True)
+            self._norm(h, layer.post_norm, x, n)
+            layer.gate_up(x, self.act, n, ws)
+            layer.down(self.act, h, n, ws, residual=True)
+        self._norm(h, self.final_norm, x, n)
+        self.head(x, self.logits, n, ws)
+        self._choose(n, self.logits, self.h, self.codes)
+        self._advance(0, n)
+
+    def _norm(self, src: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+        h = self.cfg.hidden_size
+        gpu_kernels.rms_norm[(rows,)](src, weight, out, self.cfg.rms_norm_eps, H=h, BLOCK=1 << (h - 1).bit_length())
+
+    def _choose(self, n: int, logits: torch.Tensor, embedding: torch.Tensor, codes: torch.Tensor, slot: int = 0) -> None:
+        """delayed_codebook_sample for slots [slot, slot + n) (logits and outputs are indexed from their row 0)."""
+        cfg = self.cfg
+        block_h = min(1 << (cfg.hidden_size - 1).bit_length(), 512)
+        s = slice(slot, slot + n)
+        plugin_kernels.delayed_codebook_sample[(n, -(-cfg.hidden_size // block_h))](
+            logits, self.row_index[s], self.end_frame[s], self.table, self.temperature[s], self.top_k[s],
+            self.top_p[s], self.seed[s], codes, embedding, self.end_next[s], K=cfg.num_codebooks,
+            VOCAB=cfg.codebook_vocab, HIDDEN=cfg.hidden_size, BLOCK_V=1 << (cfg.codebook_vocab - 1).bit_length(),
+            BLOCK_H=block_h, num_warps=8)
+
+    def _advance(self, slot: int, n: int) -> None:
+        s = slice(slot, slot + n)
+        gpu_kernels.advance_slots[(1,)](self.write_pos[s], self.row_index[s], self.end_frame[s], self.end_next[s],
+                                        self.active[s], n, self.max_seq, BLOCK=max(16, 1 << (n - 1).bit_length()))
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _capture_all(self) -> None:
+        """One graph per (bucket, parity), captured once: the parity picks the pinned buffer its codes go to."""
+        with torch.cuda.stream(self.stream):
+            for n in self.buckets:
+                self._decode(n)  # compile and warm up outside capture
+            torch.cuda.current_stream().synchronize()
+            self.write_pos.zero_()
+            for n in self.buckets:
+                for parity in (0, 1):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=self.stream):
+                        self._decode(n)
+                        self.host_codes[parity][:n].copy_(self.codes[:n], non_blocking=True)
+                    self.graphs[n, parity] = graph
+        self.caches.zero_()
+
+    # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt: Prompt, sampling: Sampling) -> None:
+        """Fill slot `slot` from a prompt (batch 1) and choose its row 0 on the device."""
+        p = len(prompt)
+        if p > self.max_prompt:
+            raise ValueError(f"prompt of {p} tokens exceeds max_prompt {self.max_prompt}")
+        cfg, ws, dev = self.cfg, self.workspace, self.device
+        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+            ids = torch.from_numpy(prompt.input_ids).to(dev, torch.int64)
+            rows = torch.from_numpy(prompt.audio_rows).to(dev, torch.int64)
+            audio = torch.from_numpy(prompt.is_audio).to(dev)
+            text = F.embedding(ids, self.text_table)
+            ref = F.embedding(rows + self.offsets, self.table).float().sum(1).to(torch.bfloat16)
+            h = torch.where(audio[:, None], ref, text).contiguous()
+            x, qkv, q, attn, act = self.x[:p], self.qkv_out[:p], self.q[:p], self.attn[:p], self.act[:p]
+            start = torch.zeros(1, dtype=torch.int64, device=dev)
+            hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            for i, layer in enumerate(self.layers):
+                self._norm(h, layer.input_norm, x, p)
+                layer.qkv(x, qkv, p, ws)
+                k_cache, v_cache = self.caches[i, 0, slot:slot + 1], self.caches[i, 1, slot:slot + 1]
+                plugin_kernels.qk_norm_rope_kv_write[(p,)](
+                    qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, start, q, k_cache, v_cache, p, self.max_seq,
+                    cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2)
+                out = F.scaled_dot_product_attention(
+                    q.view(1, p, hq, d).transpose(1, 2), k_cache[:, :, :p], v_cache[:, :, :p], is_causal=True,
+                    enable_gqa=True)
+                attn.copy_(out.transpose(1, 2).reshape(p, hq * d))
+                layer.o(attn, h, p, ws, residual=True)
+                self._norm(h, layer.post_norm, x, p)
+                layer.gate_up(x, act, p, ws)
+                layer.down(act, h, p, ws, residual=True)
+            last = self.x[:1]
+            self._norm(h[p - 1:p], self.final_norm, last, 1)
+            logits = self.logits[slot:slot + 1]
+            self.head(last, logits, 1, ws)
+            self.write_pos[slot] = p - 1  # advance_slots moves it to p, where row 0 is fed back
+            self.row_index[slot] = 0
+            self.end_frame[slot] = int(NO_END)
+            self.active[slot] = 1
+            self.temperature[slot] = max(sampling.temperature, 0.0)
+            self.top_k[slot] = sampling.top_k
+            self.top_p[slot] = sampling.top_p
+            self.seed[slot] = sampling.seed
+            codes = self.codes[slot:slot + 1]
+            self._choose(1, logits, self.h[slot:slot + 1], codes, slot)
+            self._advance(slot, 1)
+            self.host_first[slot].copy_(codes[0], non_blocking=True)
+            self.epochs[slot] += 1
+            self.live[slot] = True
+            self._record("first", [slot])
+
+    def step(self, n: int) -> None:
+        """One row for every active slot below n (inactive ones compute a row nobody reads)."""
+        n = self._bucket(n)
+        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+            if self.graphs:
+                self.graphs[n, self.parity].replay()
+            else:
+                self._decode(n)
+                self.host_codes[self.parity][:n].copy_(self.codes[:n])
+            self._record("step", list(range(n)), self.parity)
+        self.parity ^= 1
+
+    def _record(self, kind: str, slots: list[int], parity: int = 0) -> None:
+        event = torch.cuda.Event() if self.stream else None
+        if event is not None:
+            event.record(self.stream)
+        self.pending.append((event, kind, slots, [self.epochs[s] for s in slots], parity))
+
+    def rows(self, keep: int = 0) -> list[tuple[int, np.ndarray]]:
+        """(slot, codes [8]) of every launch done, oldest first, waiting until at most `keep` are pending; rows of
+        slots released or refilled since their launch are dropped."""
+        out = []
+        while self.pending and (len(self.pending) > keep or self.pending[0][0] is None or self.pending[0][0].query()):
+            event, kind, slots, epochs, parity = self.pending.pop(0)
+            if event is not None:
+                t0 = time.perf_counter()
+                event.synchronize()
+                self.waited += time.perf_counter() - t0
+            codes = (self.host_first if kind == "first" else self.host_codes[parity]).numpy()
+            out += [(s, codes[s].copy()) for s, e in zip(slots, epochs) if self._live(s, e)]
+        return out
+
+    def _live(self, slot: int, epoch: int) -> bool:
+        return epoch == self.epochs[slot] and self.live[slot]
+
+    def release(self, slot: int) -> None:
+        self.live[slot] = False
+        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+            self.active[slot] = 0
+
+    @torch.inference_mode()
+    def codec(self, codes: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+            audio = self.codec_model(torch.from_numpy(codes).to(self.device)).cpu().numpy()
+        self.codec_seconds.append(time.perf_counter() - t0)
+        del self.codec_seconds[:-64]
+        return audio
+
+
+def load_gpu_engine(source, *, max_seq: int, max_batch: int, max_prompt: int, act_amax: dict | None = None,
+                    say=lambda msg: None) -> GpuEngine:
+    """A GpuEngine from a Checkpoint or an EngineWeights (an engine directory's weights.bin): the language model's
+    tensors by their checkpoint names, the codec decoder on the same device."""
+    from .codec import CodecDecoder
+    from .model import HiggsLM
+
+    if not torch.cuda.is_available():
+        raise HiggsError("the GPU engine needs torch with CUDA and an NVIDIA GPU")
+    cfg = source.config
+    tensors = source.take(HiggsLM.expected_tensors(cfg), "language model")
+    codec = CodecDecoder.from_checkpoint(source).to("cuda")
+    say(f"  capturing decode graphs for batches {', '.join(map(str, [b for b in BUCKETS if b < max_batch] + [max_batch]))}…")
+    return GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=act_amax,
+                     codec=codec)

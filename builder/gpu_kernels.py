@@ -1,0 +1,211 @@
+"""Triton kernels of the GPU decode path (builder/gpu_engine.py): the decoder's GEMMs, RMSNorm and the per-slot
+step state. The two plugin ops (and decode attention) live in plugins/kernels.py; these have no TensorRT twin.
+
+Batch invariance is the rule: a row's result never depends on which other rows share the launch, so a request
+decodes to the same codes alone or inside any batch. The linear kernel therefore computes every row in fixed
+16-row tiles with one fixed K order per weight shape (tile sizes and the split of K are chosen per weight shape,
+never per batch size), and a split-K partial sum is reduced in split order by the program that finishes last
+(no float atomics).
+
+linear: y = x Wᵀ for W [N, K] (the checkpoint's layout, read once per step: decode is bound by this read).
+  - FP8: W is float8e4m3 with one scale per output row; x is quantized in the prologue with the static per-tensor
+    activation scale (x/s, saturated to ±448, round to nearest even): the FP8 engine's Q/DQ semantics.
+  - GATED: two weights (gate, up) → silu(x Gᵀ) · (x Uᵀ), the MLP's first half in one pass.
+  - RESIDUAL: out = res + bf16(y) (out may be res: the residual stream updated in place).
+"""
+
+import triton
+import triton.language as tl
+
+from higgs_trt.plugins.kernels import mma, to_fp8
+
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, x_scale, UPCAST: tl.constexpr):
+    """Rows `rows` [16] of x [M, K] at columns k: bf16, or quantized to FP8 as QuantizeLinear does (x / scale,
+    saturated, round to nearest even); zero rows past M and columns past K."""
+    tile = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+    if FP8:
+        tile = to_fp8(tl.clamp(tile.to(tl.float32) / x_scale, -FP8_MAX, FP8_MAX))
+        if UPCAST:
+            tile = tile.to(tl.bfloat16)
+    return tile
+
+
+@triton.jit
+def _w_tile(w, w_rows, k, K: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The Wᵀ tile [BLOCK_K, BLOCK_N] of rows w_rows (unmasked when K is a multiple of BLOCK_K)."""
+    if K % BLOCK_K == 0:
+        tile = tl.load(w + w_rows[None, :] * K + k[:, None])
+    else:
+        tile = tl.load(w + w_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.bfloat16)
+    return tile
+
+
+@triton.jit
+def _finish(y, rows, n, M, out, res, w_scale, x_scale,
+            N: tl.constexpr, FP8: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr):
+    if FP8:
+        y = y * (x_scale * tl.load(w_scale + n, mask=n < N, other=0.0))[None, :]
+    mask = (rows[:, None] < M) & (n[None, :] < N)
+    if RESIDUAL:
+        r = tl.load(res + rows[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = r + y.to(tl.bfloat16).to(tl.float32)
+    if OUT_F32:
+        tl.store(out + rows[:, None] * N + n[None, :], y, mask=mask)
+    else:
+        tl.store(out + rows[:, None] * N + n[None, :], y.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _gated(g, u, n, g_scale, u_scale, x_scale, N: tl.constexpr, FP8: tl.constexpr):
+    if FP8:
+        g = g * (x_scale * tl.load(g_scale + n, mask=n < N, other=0.0))[None, :]
+        u = u * (x_scale * tl.load(u_scale + n, mask=n < N, other=0.0))[None, :]
+    g = g.to(tl.bfloat16).to(tl.float32)  # the reference rounds each projection to bf16 before the product
+    u = u.to(tl.bfloat16).to(tl.float32)
+    return (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32) * u
+
+
+@triton.jit
+def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
+           M, x_scale,
+           N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+           TILES: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+           OUT_F32: tl.constexpr, UPCAST: tl.constexpr = False):
+    """Grid (N / BLOCK_N, SPLIT_K). Rows are taken TILES·16 at a time (TILES ≤ 4); every row goes through the same
+    16-row dot, so results do not depend on M. SPLIT_K > 1 needs M ≤ TILES·16 (decode). UPCAST multiplies FP8
+    operands as bf16 (exact: every e4m3 value is a bf16 value, and products are summed in fp32 either way)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r16 = tl.arange(0, 16)
+    K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    w_rows = tl.where(n < N, n, 0)  # columns past N read row 0 and are never stored
+    for m0 in range(0, M, 16 * TILES):
+        a0 = tl.zeros([16, BLOCK_N], tl.float32)
+        a1 = tl.zeros([16, BLOCK_N], tl.float32)
+        a2 = tl.zeros([16, BLOCK_N], tl.float32)
+        a3 = tl.zeros([16, BLOCK_N], tl.float32)
+        u0 = tl.zeros([16, BLOCK_N], tl.float32)
+        u1 = tl.zeros([16, BLOCK_N], tl.float32)
+        u2 = tl.zeros([16, BLOCK_N], tl.float32)
+        u3 = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, K), BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            wt = _w_tile(w, w_rows, k, K, BLOCK_K, UPCAST)
+            if GATED:
+                ut = _w_tile(w_up, w_rows, k, K, BLOCK_K, UPCAST)
+            x0 = _x_tile(x, m0 + r16, k, M, K, FP8, x_scale, UPCAST)
+            a0 = mma(x0, wt, a0)
+            if GATED:
+                u0 = mma(x0, ut, u0)
+            if TILES > 1:
+                x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, x_scale, UPCAST)
+                a1 = mma(x1, wt, a1)
+                if GATED:
+                    u1 = mma(x1, ut, u1)
+            if TILES > 2:
+                x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, x_scale, UPCAST)
+                a2 = mma(x2, wt, a2)
+                if GATED:
+                    u2 = mma(x2, ut, u2)
+            if TILES > 3:
+                x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, x_scale, UPCAST)
+                a3 = mma(x3, wt, a3)
+                if GATED:
+                    u3 = mma(x3, ut, u3)
+        if SPLIT_K == 1:
+            if GATED:
+                a0 = _gated(a0, u0, n, w_scale, w_up_scale, x_scale, N, FP8)
+                a1 = _gated(a1, u1, n, w_scale, w_up_scale, x_scale, N, FP8)
+                a2 = _gated(a2, u2, n, w_scale, w_up_scale, x_scale, N, FP8)
+                a3 = _gated(a3, u3, n, w_scale, w_up_scale, x_scale, N, FP8)
+            scaled: tl.constexpr = FP8 and not GATED
+            _finish(a0, m0 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+            if TILES > 1:
+                _finish(a1, m0 + 16 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+            if TILES > 2:
+                _finish(a2, m0 + 32 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+            if TILES > 3:
+                _finish(a3, m0 + 48 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+        else:
+            _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out, res, partials, tickets,
+                            w_scale, w_up_scale, x_scale, N, SPLIT_K, TILES, FP8, GATED, RESIDUAL, OUT_F32)
+
+
+@triton.jit
+def _store_partial(part, r16, n, cols, a0, a1, a2, a3, N: tl.constexpr, TILES: tl.constexpr):
+    tl.store(part + r16[:, None] * N + n[None, :], a0, mask=cols)
+    if TILES > 1:
+        tl.store(part + (16 + r16)[:, None] * N + n[None, :], a1, mask=cols)
+    if TILES > 2:
+        tl.store(part + (32 + r16)[:, None] * N + n[None, :], a2, mask=cols)
+    if TILES > 3:
+        tl.store(part + (48 + r16)[:, None] * N + n[None, :], a3, mask=cols)
+
+
+@triton.jit
+def _sum_partials(partials, rows, n, cols, N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Σ over splits in split order (L2 reads: the other programs' partials are not in this SM's L1)."""
+    y = tl.load(partials + rows[:, None] * N + n[None, :], mask=cols, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT_K):
+        y += tl.load(partials + s * ROWS * N + rows[:, None] * N + n[None, :], mask=cols, other=0.0,
+                     cache_modifier=".cg")
+    return y
+
+
+@triton.jit
+def _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out, res, partials, tickets, w_scale,
+                    w_up_scale, x_scale, N: tl.constexpr, SPLIT_K: tl.constexpr, TILES: tl.constexpr,
+                    FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr):
+    """Each split stores its partial [16·TILES, BLOCK_N] (gated: the gate's, then the up projection's); the last to
+    finish sums them in split order and applies the epilogue."""
+    ROWS: tl.constexpr = 16 * TILES
+    cols = n[None, :] < N
+    _store_partial(partials + pid_k * ROWS * N, r16, n, cols, a0, a1, a2, a3, N, TILES)
+    if GATED:
+        _store_partial(partials + (SPLIT_K + pid_k) * ROWS * N, r16, n, cols, u0, u1, u2, u3, N, TILES)
+    tl.debug_barrier()  # every thread's partial is written before the ticket is taken (release below)
+    ticket = tl.atomic_add(tickets + pid_n, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLIT_K - 1:
+        tl.debug_barrier()
+        for t in tl.static_range(TILES):
+            rows = 16 * t + r16
+            y = _sum_partials(partials, rows, n, cols, N, ROWS, SPLIT_K)
+            if GATED:
+                u = _sum_partials(partials + SPLIT_K * ROWS * N, rows, n, cols, N, ROWS, SPLIT_K)
+                y = _gated(y, u, n, w_scale, w_up_scale, x_scale, N, FP8)
+            _finish(y, rows, n, M, out, res, w_scale, x_scale, N, FP8 and not GATED, RESIDUAL, OUT_F32)
+        tl.atomic_xchg(tickets + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def rms_norm(x, weight, out, eps, H: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: weight · bf16(x / rms(x)), statistics in fp32 (as the reference RMSNorm)."""
+    row = tl.program_id(0)
+    h = tl.arange(0, BLOCK)
+    inside = h < H
+    v = tl.load(x + row * H + h, mask=inside, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
+    w = tl.load(weight + h, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * H + h, (w * (v * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16), mask=inside)
+
+
+@triton.jit
+def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq, BLOCK: tl.constexpr):
+    """After a step (or a prefill's first row): every active slot moves to its next row; its end frame takes what
+    the step found. Positions saturate at the cache's last row, so a slot whose stop the host has not yet read
+    keeps rewriting one row instead of running past the cache."""
+    b = tl.arange(0, BLOCK)
+    inside = b < n
+    on = tl.load(active + b, mask=inside, other=0) != 0
+    keep = inside & on
+    tl.store(end_frame + b, tl.load(end_next + b, mask=keep), mask=keep)
+    tl.store(row_index + b, tl.load(row_index + b, mask=keep) + 1, mask=keep)
+    pos = tl.load(write_pos + b, mask=keep)
+    tl.store(write_pos + b, tl.minimum(pos + 1, max_seq - 1), mask=keep)

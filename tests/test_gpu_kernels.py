@@ -1,0 +1,241 @@
+"""The GPU path's kernels (builder/gpu_kernels.py, and the attention / norm+rope / end-finding kernels of
+plugins/kernels.py) against torch references, run by Triton's interpreter on the CPU (the same kernels run on the
+H200 in tests/test_gpu_engine.py, with tighter bounds). Each check runs in a child process: TRITON_INTERPRET must be
+set before Triton is imported.
+
+Bounds: the interpreter rounds fp32 → bf16 toward zero where the GPU rounds to nearest, so each bf16 rounding may
+be off by a whole ulp (2^-7 relative) here instead of half of one.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch, torch.nn.functional as F
+from higgs_trt.builder import gpu_kernels
+from higgs_trt.plugins import kernels
+from higgs_trt.calibration.qdq import bf16_scale, quantize_weight
+torch.manual_seed(0)
+"""
+
+
+def run(body: str) -> None:
+    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body) + "\nprint('ok')"], capture_output=True,
+                       text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
+
+
+LINEAR = """
+def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k=32):
+    m, k = x.shape
+    n = w.shape[0]
+    amax = float(x.float().abs().max())
+    xs = float(bf16_scale(amax)) if fp8 else 1.0
+    (w8, ws), (u8, us) = (quantize_weight(w), quantize_weight(up if up is not None else w)) if fp8 else ((w, x), (up, x))
+    out = residual.clone() if residual is not None else torch.full((m, n), float("nan")).bfloat16()
+    partials, tickets = torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32)
+    gpu_kernels.linear[(-(-n // block_n), split)](
+        x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, N=n, K=k, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split, TILES=min(4, -(-m // 16)), FP8=fp8, GATED=up is not None,
+        RESIDUAL=residual is not None, OUT_F32=False)
+    assert not tickets.any()  # every split-K ticket counter is reset for the next launch
+    # reference: the same quantisation, fp32 products and sums, the kernel's bf16 rounding points
+    if fp8:
+        xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn).float() * xs
+        y = xq @ (w8.float() * ws[:, None]).T
+        u = xq @ (u8.float() * us[:, None]).T if up is not None else None
+    else:
+        y = x.float() @ w.float().T
+        u = x.float() @ up.float().T if up is not None else None
+    if up is not None:
+        y = (F.silu(y.bfloat16().float()).bfloat16().float() * u.bfloat16().float())
+    scale = y.abs() * (2 if up is not None else 1)  # gated: four roundings (gate, silu, up, product)
+    if residual is not None:
+        scale = residual.float().abs() + y.abs()
+        y = residual.float() + y.bfloat16().float()
+    return out, y, scale
+
+def close(out, ref, scale):
+    # an ulp per bf16 rounding of the terms rounded (two at most), fp32 sums in another order within that
+    err = (out.float() - ref).abs()
+    assert (err <= scale * 2 ** -6 + 1e-4).all(), float(err.max())
+"""
+
+
+def test_linear_matches_the_exact_gemm_in_every_mode():
+    run(LINEAR + """
+for m, n, k, split, bn, bk in [(1, 48, 64, 1, 16, 32), (5, 40, 96, 2, 16, 32), (20, 64, 64, 4, 32, 16),
+                               (70, 32, 80, 1, 16, 32), (33, 24, 64, 1, 16, 32)]:
+    x = torch.randn(m, k).bfloat16()
+    w, up = (torch.randn(n, k) / k ** 0.5).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
+    res = torch.randn(m, n).bfloat16()
+    for fp8 in (False, True):
+        close(*linear(x, w, fp8=fp8, split=split, block_n=bn, block_k=bk))
+        close(*linear(x, w, fp8=fp8, residual=res, split=split, block_n=bn, block_k=bk))
+        close(*linear(x, w, up, fp8=fp8, split=split, block_n=bn, block_k=bk))
+""")
+
+
+def test_linear_rows_do_not_depend_on_the_batch():
+    run(LINEAR + """
+k, n = 96, 48
+w = (torch.randn(n, k) / k ** 0.5).bfloat16()
+row = torch.randn(1, k).bfloat16()
+for fp8 in (False, True):
+    alone = linear(row, w, fp8=fp8, split=2)[0]
+    for m, at in ((3, 2), (16, 9), (37, 20), (64, 63)):
+        x = torch.randn(m, k).bfloat16()
+        x[at] = row[0]
+        # same static activation scale as alone (a per-tensor scale is a constant of the model, not of the batch)
+        x = x.clamp(-float(row.float().abs().max()), float(row.float().abs().max()))
+        got = linear(x, w, fp8=fp8, split=2)[0][at]
+        assert torch.equal(got, alone[0]), (fp8, m)
+""")
+
+
+def test_rms_norm_and_advance_slots():
+    run("""
+x = torch.randn(5, 48).bfloat16() * 3
+w = (1 + 0.1 * torch.randn(48)).bfloat16()
+out = torch.empty_like(x)
+gpu_kernels.rms_norm[(5,)](x, w, out, 1e-6, H=48, BLOCK=64)
+h = x.float()
+ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -6).all()  # two bf16 roundings
+
+pos, row = torch.tensor([5, 9, 127, 3]), torch.tensor([1, 2, 3, 4])
+end, nxt, active = torch.full((4,), 1 << 40), torch.tensor([7, 8, 9, 10]), torch.tensor([1, 0, 1, 1], dtype=torch.int32)
+gpu_kernels.advance_slots[(1,)](pos, row, end, nxt, active, 3, 128, BLOCK=16)
+assert pos.tolist() == [6, 9, 127, 3]  # inactive stays; the last cache row is kept; slot 3 is past n
+assert row.tolist() == [2, 2, 4, 4] and end.tolist() == [7, 1 << 40, 9, 1 << 40]
+""")
+
+
+def test_qk_norm_rope_kv_write_matches_the_reference():
+    run("""
+from higgs_trt.builder.config import HiggsConfig
+from higgs_trt.builder.model import RMSNorm, rope_table
+from torch.onnx import ops as onnx_ops
+Hq, Hkv, D, S, SM, B = 4, 2, 16, 3, 32, 2
+cfg = HiggsConfig(64, 1, Hq, Hkv, D, 128, 100, 1e-6, 1e6, 32768)
+cos, sin = rope_table(cfg, SM, torch.bfloat16)
+qkv = torch.randn(B * S, (Hq + 2 * Hkv) * D).bfloat16()
+qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1 * torch.randn(D)).bfloat16()
+wp = torch.tensor([0, SM - S])
+kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
+kc2, vc2, q_out = kc.clone(), vc.clone(), torch.empty(B * S, Hq * D).bfloat16()
+kernels.qk_norm_rope_kv_write[(B * S,)](qkv, qn.weight, kn.weight, cos, sin, wp, q_out, kc2, vc2, S, SM, 1e-6,
+                                        Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
+x = qkv.view(B, S, -1)
+q = qn(x[..., :Hq * D].reshape(B, S, Hq, D)).transpose(1, 2)
+k = kn(x[..., Hq * D:(Hq + Hkv) * D].reshape(B, S, Hkv, D)).transpose(1, 2)
+v = x[..., (Hq + Hkv) * D:].reshape(B, S, Hkv, D).transpose(1, 2)
+pos = wp[:, None] + torch.arange(S)[None]
+q_ref = onnx_ops.rotary_embedding(q.float(), cos.float(), sin.float(), pos)
+k_ref = onnx_ops.rotary_embedding(k.float(), cos.float(), sin.float(), pos)
+ulp = lambda t: t.abs().clamp(min=2 ** -20) * 2 ** -7
+got_q = q_out.view(B, S, Hq, D).transpose(1, 2).float()
+bound = 4 * ulp(q_ref.abs() + torch.cat([q_ref[..., D // 2:], q_ref[..., :D // 2]], -1).abs())  # norm, then rotation
+assert ((got_q - q_ref).abs() <= bound).all(), float((got_q - q_ref).abs().max())
+for b in range(B):
+    got_k = kc2[b, :, wp[b]:wp[b] + S].float()
+    kb = k_ref[b]
+    assert ((got_k - kb).abs() <= 4 * ulp(kb.abs() + torch.cat([kb[..., D // 2:], kb[..., :D // 2]], -1).abs())).all()
+    assert torch.equal(vc2[b, :, wp[b]:wp[b] + S], v[b])
+    untouched = torch.ones(SM, dtype=torch.bool)
+    untouched[wp[b]:wp[b] + S] = False
+    assert torch.equal(kc2[b, :, untouched], kc[b, :, untouched])
+""")
+
+
+ATTENTION = """
+Hq, Hkv, D, SM = 8, 2, 16, 96
+def reference(q, kc, vc, lengths):
+    # q [B, Hq, D] against keys 0..len-1 of each row, fp32, q pre-scaled and rounded as the model does
+    out = []
+    for b, n in enumerate(lengths):
+        k = kc[b, :, :n].float().repeat_interleave(Hq // Hkv, 0)
+        v = vc[b, :, :n].float().repeat_interleave(Hq // Hkv, 0)
+        qs = (q[b].float() * D ** -0.5).bfloat16().float()
+        p = torch.softmax(qs[:, None] @ k.transpose(1, 2), -1)
+        out.append((p @ v)[:, 0])
+    return torch.stack(out)
+"""
+
+
+def test_decode_attention_reads_only_each_prefix_and_combines_chunks_in_order():
+    run(ATTENTION + """
+lengths = [1, 17, 40, 96, 65]
+B = len(lengths)
+q = torch.randn(B, Hq, D).bfloat16()
+kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
+for b, n in enumerate(lengths):
+    kc[b, :, n:] = float("nan")  # rows past the prefix must never be read
+    vc[b, :, n:] = float("nan")
+chunk = 16
+chunks = -(-SM // chunk)
+def attend(q, kc, vc, lengths):
+    b = len(lengths)
+    out = torch.full((b, Hq * D), float("nan")).bfloat16()
+    parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
+    tickets = torch.zeros(b * Hkv, dtype=torch.int32)
+    kernels.decode_attention[(b, Hkv, chunks)](q, kc, vc, torch.tensor(lengths) - 1, out, parts, stats, tickets, SM,
+                                               Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16,
+                                               MAX_CHUNKS=chunks)
+    assert not tickets.any()
+    return out.view(b, Hq, D)
+got = attend(q, kc, vc, lengths)
+ref = reference(q, kc, vc, lengths)
+assert ((got.float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all(), float((got.float() - ref).abs().max())
+# a row's result is its own: the same row alone, or beside rows of other lengths, is bit for bit the same
+for b in range(B):
+    assert torch.equal(attend(q[b:b + 1], kc[b:b + 1], vc[b:b + 1], lengths[b:b + 1])[0], got[b])
+""")
+
+
+def test_cache_attention_is_causal_over_cache_and_new_rows():
+    run(ATTENTION + """
+B, S = 2, 5
+wp = torch.tensor([0, 30])
+q = torch.randn(B, Hq, S, D).bfloat16()
+kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
+out = torch.full((B, Hq, S, D), float("nan")).bfloat16()
+kernels.cache_attention[(B, Hkv, -(-S * (Hq // Hkv) // 16))](q, kc, vc, wp, S, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv,
+                                                             HEAD_DIM=D, BLOCK_Q=16, BLOCK_S=16)
+for s in range(S):
+    ref = reference(q[:, :, s], kc, vc, (wp + s + 1).tolist())
+    assert ((out[:, :, s].float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all()
+""")
+
+
+def test_codebook_sample_finds_the_end_and_feeds_the_masked_row():
+    run("""
+from higgs_trt.runtime.decoding import EOC, NO_END, delay_mask, find_end
+K, V, H = 8, 1026, 64
+B = 4
+logits = torch.randn(B, K, V)
+logits[0, 0, EOC] = 100.0  # EOC on codebook 0 at row 3: ends at frame 3
+logits[1, 2, EOC] = 100.0  # EOC on codebook 2 at row 12 (after ramp-up): ends at frame 10
+logits[2, 2, EOC] = 100.0  # on codebook 2 during the ramp-up (row 5): does not count
+row = torch.tensor([3, 12, 5, 20])
+end = torch.tensor([NO_END, NO_END, NO_END, 18])
+table = torch.randn(K * V, H).bfloat16()
+codes, emb, end_next = torch.empty(B, K, dtype=torch.int32), torch.empty(B, H).bfloat16(), torch.empty(B, dtype=torch.int64)
+zeros = torch.zeros(B)
+kernels.delayed_codebook_sample[(B, 2)](logits, row, end, table, zeros, zeros.int(), zeros + 1, row, codes, emb,
+                                        end_next, K=K, VOCAB=V, HIDDEN=H, BLOCK_V=2048, BLOCK_H=32)
+want = delay_mask(logits.argmax(-1).numpy(), row.numpy(), end.numpy())
+assert np.array_equal(codes.numpy(), want)
+ends = [find_end(want[b], int(row[b]), int(end[b])) for b in range(B)]
+assert end_next.tolist() == ends and ends[:3] == [3, 10, int(NO_END)]
+fed = delay_mask(want, row.numpy(), np.array(ends))
+exact = table.float()[torch.from_numpy(fed).long() + torch.arange(K) * V].sum(1)
+assert ((emb.float() - exact).abs() <= exact.abs().clamp(min=2 ** -20) * 2 ** -7).all()
+""")
