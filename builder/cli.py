@@ -62,6 +62,16 @@ def bench_kernels():
 
 
 
+@click.command("linear")
+@click.option("--budget", type=float, default=300.0, show_default=True, help="Seconds to spend trying tile shapes.")
+def bench_linear(budget):
+    """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1, 16, 64 (needs a GPU)."""
+    with extras.needed("gpu", "bench linear"):
+        from higgs_trt.builder.config import HiggsConfig
+        from higgs_trt.builder.gpu_bench import sweep_linear
+    sweep_linear(HiggsConfig(2560, 36, 32, 8, 128, 9728, 151936, 1e-6, 1e6, 32768), budget, say=click.echo)
+
+
 @click.command("export")
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
 @click.option("--max-seq", type=int, default=2048, show_default=True)
@@ -265,4 +275,4 @@ def tiny_checkpoint(out_dir, seed, shards, size):
 
 
 COMMANDS = [export, build, calibrate, compare, tiny_checkpoint]
-BENCHMARKS = [bench_build, bench_kernels, bench_export]
+BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_linear]

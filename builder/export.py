@@ -27,9 +27,11 @@ from higgs_trt.calibration.qdq import insert_qdq
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
 from higgs_trt.runtime.manifest import publish, write_manifest
+from higgs_trt.runtime.streaming import receptive_field
 
 from .checkpoint import Checkpoint
-from .codec import CodecDecoder
+from .codec import PREFIX as CODEC_PREFIX
+from .codec import CodecDecoder, CodecDims
 from .model import HiggsLM
 from .ops import ONNX_OPSET, ONNX_TRANSLATIONS, NativeOps
 
@@ -122,6 +124,7 @@ class WeightsFile:
         self.path, self.ckpt = path, ckpt
         self.file = open(path, "wb")
         self.placed: dict[str, tuple[int, int]] = {}
+        self.index: dict[str, dict] = {}  # checkpoint name → where its values are (the manifest's weights index)
 
     def close(self) -> None:
         self.file.close()
@@ -154,20 +157,30 @@ class WeightsFile:
     def _external(self, name: str, dtype: ir.DataType, shape: ir.Shape, where: tuple[int, int]) -> ir.ExternalTensor:
         return ir.ExternalTensor(self.path.name, *where, dtype, shape=shape, name=name, base_dir=self.path.parent)
 
-    def place(self, model: ir.Model, checkpoint_names: bool) -> None:
+    def place(self, model: ir.Model, checkpoint_names: bool, index_prefix: str | None = None) -> None:
         """Move the graph's initializers into the file; with `checkpoint_names`, those named like a checkpoint
-        tensor are that tensor (stored once, as bf16)."""
+        tensor are that tensor (stored once, as bf16). With `index_prefix`, initializers whose name with the prefix
+        is a checkpoint tensor are stored as they are (the codec's fp32) and indexed under that name."""
         graph = model.graph
         for name, value in list(graph.initializers.items()):
             tensor = value.const_value
             if checkpoint_names and name in self.ckpt:
-                external = self._external(name, ir.DataType.BFLOAT16, tensor.shape, self._checkpoint_tensor(name))
+                where = self._checkpoint_tensor(name)
+                self._record(name, where, ir.DataType.BFLOAT16, tensor.shape)
+                external = self._external(name, ir.DataType.BFLOAT16, tensor.shape, where)
                 if tensor.dtype == ir.DataType.BFLOAT16:
                     value.const_value = external
                 else:
                     self._replace_with_bf16_cast(graph, value, external)
-            elif tensor.nbytes >= ALIGN:
-                value.const_value = self._external(name, tensor.dtype, tensor.shape, self._append(tensor.tobytes()))
+            elif index_prefix and index_prefix + name in self.ckpt or tensor.nbytes >= ALIGN:
+                where = self._append(tensor.tobytes())
+                if index_prefix and index_prefix + name in self.ckpt:
+                    self._record(index_prefix + name, where, tensor.dtype, tensor.shape)
+                value.const_value = self._external(name, tensor.dtype, tensor.shape, where)
+
+    def _record(self, name: str, where: tuple[int, int], dtype: ir.DataType, shape: ir.Shape) -> None:
+        self.index[name] = {"offset": where[0], "bytes": where[1], "dtype": dtype.numpy().name,
+                            "shape": [int(d) for d in shape]}
 
     @staticmethod
     def _replace_with_bf16_cast(graph: ir.Graph, value: ir.Value, bf16: ir.ExternalTensor) -> None:
@@ -217,6 +230,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
         raise HiggsError(f"{checkpoint_dir}: tokenizer.json not found")
     HiggsTokenizer(tokenizer)  # refuse a checkpoint whose tokenizer lacks the Higgs special tokens now
     fingerprint = ckpt.fingerprint()
+    codec_dims = CodecDims.from_checkpoint(ckpt)
     scales = None
     if precision == "fp8":
         if calibration:
@@ -227,7 +241,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export."))
     try:
-        graphs = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
+        graphs, weights_index = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
         shutil.copy(tokenizer, staging / "tokenizer.json")
         files = [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"]
         plugins = _plugin_kernels(ckpt, staging, say) if ops.name == "plugin" else None
@@ -238,7 +252,9 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
             "precision": precision,
             "ops": ops.name,
             "limits": {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt},
+            "codec": {"strides": list(codec_dims.strides), "receptive_field": list(receptive_field(codec_dims.strides))},
             "graphs": graphs,
+            "weights": {"file": WEIGHTS, "tensors": weights_index},
         }
         if plugins:
             manifest["plugins"] = plugins
@@ -276,7 +292,9 @@ def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
     return plugins
 
 
-def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scales: dict | None) -> dict:
+def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scales: dict | None) -> tuple[dict, dict]:
+    """Every graph into `staging`; returns the graphs' manifest entries and the weights index (checkpoint name →
+    offset, bytes, dtype, shape in weights.bin)."""
     weights = WeightsFile(staging / WEIGHTS, ckpt)
     graphs = {}
     lm_names = list(HiggsLM.expected_tensors(ckpt.config))
@@ -301,10 +319,10 @@ def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scal
                 save(key.replace("lm", "lm_fp8"), file.replace("lm.", "lm.fp8."), model, name, t0)
         t0 = time.perf_counter()
         model = export_codec(CodecDecoder.from_checkpoint(ckpt))
-        weights.place(model, checkpoint_names=False)
+        weights.place(model, checkpoint_names=False, index_prefix=CODEC_PREFIX)
         save("codec", "codec.onnx", model, "float32", t0)
     finally:
         weights.close()
     for g in graphs.values():
         onnx.checker.check_model(str(staging / g["file"]), full_check=True)
-    return graphs
+    return graphs, weights.index

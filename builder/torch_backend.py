@@ -1,9 +1,11 @@
-"""The torch reference as a decode-loop backend (`higgs-trt run --backend torch`)."""
+"""The torch reference as an engine graph (`--backend torch` on the CPU): fp32, caches in slots like the engines'."""
 
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from higgs_trt.runtime.scheduler import MIN_ROWS
 
 from .checkpoint import Checkpoint
 from .codec import CodecDecoder
@@ -13,24 +15,26 @@ from .model import HiggsLM
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, checkpoint: Path | Checkpoint, max_seq: int = 2048, max_batch: int = 8,
-                 dtype: torch.dtype | None = None, device: str | None = None):
+    def __init__(self, checkpoint: Path | Checkpoint, max_seq: int = 2048, max_batch: int = 1,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
         ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.max_seq, self.max_batch = max_seq, max_batch
+        self.device = torch.device(device)
+        self.max_seq, self.max_batch, self.max_prompt = max_seq, max_batch, max_seq - MIN_ROWS
         self.checkpoint = ckpt
         self.model = HiggsLM.from_checkpoint(ckpt, max_seq, dtype).to(self.device)
         self.codec_model = CodecDecoder.from_checkpoint(ckpt).to(self.device)
-        self.caches: tuple[torch.Tensor, ...] = ()
-
-    def start(self, batch: int) -> None:
-        self.caches = self.model.new_caches(batch, self.device)
+        self.codec_strides = self.codec_model.dims.strides
+        self.caches = self.model.new_caches(max_batch, self.device)
 
     @torch.inference_mode()
-    def lm(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def lm(self, feeds: dict[str, np.ndarray], slot: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One graph call on slot `slot` (batch 1), or on the first B slots."""
+        rows = slice(slot, slot + 1) if slot is not None else slice(0, len(feeds["write_pos"]))
+        caches = tuple(c[rows] for c in self.caches)
         inputs = {k: torch.from_numpy(v).to(self.device) for k, v in feeds.items()}
-        logits, codes, *self.caches = self.model(**inputs, caches=self.caches)
+        logits, codes, *updated = self.model(**inputs, caches=caches)
+        for cache, new in zip(caches, updated):
+            cache.copy_(new)
         return logits.cpu().numpy(), codes.cpu().numpy()
 
     @torch.inference_mode()

@@ -61,15 +61,17 @@ def observe(checkpoint_dir: Path, visit, split: str = "calibration", device: str
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.generate import generate
     from higgs_trt.runtime.prompt import HiggsTokenizer
+    from higgs_trt.runtime.stepper import HostStepper
 
     prompts = prompt_set()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = TorchBackend(checkpoint_dir, max_seq=1024, max_batch=1, dtype=torch.bfloat16, device=device)
     tok = HiggsTokenizer(Path(checkpoint_dir) / "tokenizer.json")
     hooks = [module.register_forward_pre_hook(lambda m, args, name=name: visit(name, m, args[0].detach()))
              for name, module in backend.model.named_modules() if name.endswith(QUANTIZED)]
     try:
         for prompt in build_prompts(tok, prompts[split]):
-            generate(backend, [prompt], Sampling(), hard_cap=prompts["rows"])
+            generate(HostStepper(backend), [prompt], Sampling(), hard_cap=prompts["rows"])
     finally:
         for h in hooks:
             h.remove()

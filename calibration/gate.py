@@ -44,17 +44,15 @@ class GateFigures:
 def teacher_forced(engine, prompts, rows: int) -> GateFigures:
     from higgs_trt.runtime.ort_backend import OrtBackend
 
-    bf16, fp8 = OrtBackend(engine, "cpu", graph="lm_ref"), OrtBackend(engine, "cpu", graph="lm_fp8_ref")
+    bf16, fp8 = OrtBackend(engine, graph="lm_ref", max_batch=1), OrtBackend(engine, graph="lm_fp8_ref", max_batch=1)
     cosines, agree = [], []
     for prompt in prompts:
         feeds = prefill_feeds([prompt])
         position = len(prompt)
-        bf16.start(1)
-        fp8.start(1)
         for row in range(min(rows, bf16.max_seq - position)):
             outs = []
             for backend in (bf16, fp8):
-                logits, codes = backend.lm(feeds)
+                logits, codes = backend.lm(feeds, slot=0)
                 outs.append((logits[0].astype(np.float64), codes.copy()))
             (a, codes), (b, _) = outs
             cosines.append(float((a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum())))

@@ -1,4 +1,5 @@
-"""Decode-loop benchmark: time per row inside backend calls, and the loop's own host overhead per row."""
+"""Decode-loop benchmark for host-driven engines (ONNX Runtime, TensorRT): time per step inside the engine, and the
+loop's own host overhead per row. The GPU engine has its own, device-timed benchmark (builder/gpu_bench.py)."""
 
 import time
 from dataclasses import dataclass
@@ -6,35 +7,39 @@ from dataclasses import dataclass
 import numpy as np
 
 from .decoding import Sampling
-from .generate import Backend, generate
+from .generate import generate
 from .prompt import Prompt
 
 
-class TimedBackend:
-    """Wraps a backend and records the wall time of each call (a prefill is the first lm call of a run)."""
+class TimedEngine:
+    """Wraps a host-driven engine (lag 0) and records the wall time of each prefill, step and codec call."""
 
-    def __init__(self, backend: Backend):
-        self.inner = backend
-        self.name, self.max_seq, self.max_batch = backend.name, backend.max_seq, backend.max_batch
-        self.lm_times: list[float] = []
-        self.codec_times: list[float] = []
+    def __init__(self, engine):
+        self.inner = engine
+        self.name, self.max_seq, self.max_batch = engine.name, engine.max_seq, engine.max_batch
+        self.max_prompt, self.codec_strides, self.lag = engine.max_prompt, engine.codec_strides, engine.lag
+        self.times: dict[str, list[float]] = {"prefill": [], "step": [], "codec": []}
 
-    def start(self, batch: int) -> None:
-        self.inner.start(batch)
-        self.lm_times.clear()
-        self.codec_times.clear()
-
-    def lm(self, feeds):
+    def _timed(self, kind: str, fn, *args):
         t0 = time.perf_counter()
-        out = self.inner.lm(feeds)
-        self.lm_times.append(time.perf_counter() - t0)
+        out = fn(*args)
+        self.times[kind].append(time.perf_counter() - t0)
         return out
+
+    def prefill(self, slot, prompt, sampling):
+        return self._timed("prefill", self.inner.prefill, slot, prompt, sampling)
+
+    def step(self, n):
+        return self._timed("step", self.inner.step, n)
 
     def codec(self, codes):
-        t0 = time.perf_counter()
-        out = self.inner.codec(codes)
-        self.codec_times.append(time.perf_counter() - t0)
-        return out
+        return self._timed("codec", self.inner.codec, codes)
+
+    def rows(self, keep=0):
+        return self.inner.rows(keep)
+
+    def release(self, slot):
+        self.inner.release(slot)
 
 
 @dataclass
@@ -42,8 +47,8 @@ class Figures:
     mode: str
     rows: int
     prefill_ms: float
-    step_ms: float  # median backend time of one decode step
-    host_ms: float  # loop time outside backend calls, per row
+    step_ms: float  # median engine time of one decode step
+    host_ms: float  # loop time outside engine calls, per row
     codec_ms: float
     audio_s: float
     total_s: float
@@ -54,19 +59,78 @@ class Figures:
                 f"RTF {self.total_s / max(self.audio_s, 1e-9):.3f}")
 
 
-def run_bench(backend: Backend, prompts: list[Prompt], sampling: Sampling, repeats: int = 3) -> Figures:
-    timed = TimedBackend(backend)
+def run_bench(engine, prompts: list[Prompt], sampling: Sampling, repeats: int = 3) -> Figures:
+    timed = TimedEngine(engine)
     generate(timed, prompts, sampling)  # warm-up: first calls allocate and compile
     runs = []
     for _ in range(repeats):
+        for v in timed.times.values():
+            v.clear()
         t0 = time.perf_counter()
         results = generate(timed, prompts, sampling)
         total = time.perf_counter() - t0
         rows = max(r.rows for r in results)
-        steps = timed.lm_times[1:]
-        host = total - sum(timed.lm_times) - sum(timed.codec_times)
+        engine_s = sum(sum(v) for v in timed.times.values())
+        steps = sorted(timed.times["step"])
         runs.append(Figures("greedy" if sampling.greedy else f"T={sampling.temperature:g}", rows,
-                            1e3 * timed.lm_times[0], 1e3 * float(np.median(steps)) if steps else 0.0,
-                            1e3 * host / rows, 1e3 * sum(timed.codec_times),
+                            1e3 * sum(timed.times["prefill"]) / len(prompts),
+                            1e3 * steps[len(steps) // 2] if steps else 0.0,
+                            1e3 * (total - engine_s) / rows, 1e3 * sum(timed.times["codec"]),
                             sum(len(r.audio) for r in results) / 24000, total))
     return sorted(runs, key=lambda f: f.total_s)[len(runs) // 2]  # the median run
+
+
+@dataclass
+class StreamFigures:
+    concurrency: int
+    requests: int
+    audio_s: float
+    wall_s: float
+    ttfa_ms: list  # per request
+    underruns: int  # chunks that arrived after the audio before them had finished playing (first chunks excepted)
+
+    def line(self) -> str:
+        ttfa = np.array(self.ttfa_ms)
+        return (f"concurrency {self.concurrency:>3}: {self.requests:>4} requests, {self.audio_s:7.1f} s of audio in "
+                f"{self.wall_s:6.2f} s = {self.audio_s / self.wall_s:7.1f} audio-s/s; first audio p50 "
+                f"{np.percentile(ttfa, 50):6.1f} ms, p95 {np.percentile(ttfa, 95):6.1f} ms, mean {ttfa.mean():6.1f} ms; "
+                f"underruns {self.underruns}")
+
+
+def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: int, sampling: Sampling,
+                 plan=None) -> StreamFigures:
+    """Closed-loop clients: `concurrency` requests in flight, each finished one replaced by a new one, until
+    `requests` have finished. Every request is capped at `rows` rows (random weights rarely emit EOC)."""
+    from .scheduler import Scheduler, request_for
+
+    scheduler = Scheduler(engine, plan)
+    done, arrivals = [], {}
+    submitted = [0]
+
+    def submit():
+        submitted[0] += 1
+        request = request_for(engine, prompt, sampling, hard_cap=rows, on_done=finished)
+        request.on_chunk = lambda chunk, r=request: arrivals.setdefault(id(r), []).append((time.perf_counter(), len(chunk)))
+        scheduler.submit(request)
+
+    def finished(request):
+        done.append(request)
+        if submitted[0] < requests:
+            submit()
+
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency, requests)):
+        submit()
+    scheduler.run()
+    wall = time.perf_counter() - t0
+    underruns, audio = 0, 0
+    for r in done:
+        chunks = arrivals.get(id(r), [])
+        played = 0
+        for i, (at, n) in enumerate(chunks):
+            if i and at > chunks[0][0] + played / 24000:
+                underruns += 1
+            played += n
+        audio += played
+    ttfa = [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at]
+    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, underruns)

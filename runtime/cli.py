@@ -29,58 +29,29 @@ def say(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _open_checkpoint(path: Path, what: str):
-    from . import extras
-
-    with extras.needed("builder", what):
-        from higgs_trt.builder.checkpoint import Checkpoint
-    return Checkpoint(path)
-
-
 def _backend(name: str | None, checkpoint: Path | None, engine_dir: Path | None, max_seq: int, device: str,
-             precision: str | None = None):
-    """(backend, tokenizer.json) for `run`; an engine given with a checkpoint must have been built from it."""
-    from .manifest import EngineDir
+             precision: str | None = None, max_batch: int = 1):
+    """(engine, tokenizer.json) for `run` and `bench` (runtime/engines.py)."""
+    from .engines import open_engine
 
-    if checkpoint is None and engine_dir is None:
-        raise HiggsError("give --engine DIR (an exported engine directory) or --checkpoint DIR (torch backend)")
-    engine = EngineDir(engine_dir) if engine_dir else None
-    if engine and precision and engine.manifest["precision"] != precision:
-        raise HiggsError(f"{engine_dir} holds {engine.manifest['precision']} engines, not {precision}")
-    ckpt = _open_checkpoint(checkpoint, f"--checkpoint with --backend {name}") if checkpoint else None
-    if engine and ckpt:
-        engine.check_checkpoint(ckpt.fingerprint(), checkpoint)
-    name = name or ("ort" if engine else "torch")
-    if name == "torch":
-        if ckpt is None:
-            raise HiggsError("--backend torch needs --checkpoint")
-        from higgs_trt.builder.torch_backend import TorchBackend
-
-        return TorchBackend(ckpt, max_seq=max_seq), checkpoint / "tokenizer.json"
-    if engine is None:
-        raise HiggsError(f"--backend {name} needs --engine")
-    from . import extras
-
-    if name == "trt":
-        from .trt_backend import TrtBackend
-
-        return TrtBackend(engine, "lean" if device == "lean" else "tensorrt"), engine.path / "tokenizer.json"
-    with extras.needed("ort", "--backend ort"):
-        from .ort_backend import OrtBackend
-    return OrtBackend(engine, device), engine.path / "tokenizer.json"
+    return open_engine(name, checkpoint, engine_dir, device=device, max_seq=max_seq, max_batch=max_batch,
+                       precision=precision, say=say)
 
 
 @main.command()
 @click.option("--text", required=True, help="Text to speak (inline control tags like <|emotion:elation|> allowed).")
-@click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output wav (24 kHz mono).")
+@click.option("--out", "out", type=click.Path(path_type=Path, allow_dash=True), required=True,
+              help="Output wav (24 kHz mono); with --stream, '-' writes raw PCM (s16le, 24 kHz, mono) to stdout.")
 @click.option("--engine", type=click.Path(path_type=Path), help="Engine directory made by `higgs-trt export`.")
 @click.option("--checkpoint", type=click.Path(path_type=Path),
               help="Checkpoint directory (torch backend); with --engine, checked to be the engine's source.")
 @click.option("--backend", type=click.Choice(["torch", "ort", "trt"]),
-              help="torch: the reference model from --checkpoint; ort: ONNX Runtime on --engine's reference graphs; "
-                   "trt: TensorRT on --engine's plans. Default: ort with --engine, else torch.")
+              help="torch: the GPU engine (--engine's weights or --checkpoint), or the fp32 reference on the CPU; "
+                   "ort: ONNX Runtime on --engine's reference graphs (CPU); trt: TensorRT on --engine's plans. "
+                   "Default: ort with --engine, else torch.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True,
-              help="ort: cpu or cuda (onnxruntime-gpu); trt: lean loads --lean plans with tensorrt_lean.")
+              help="torch: cuda runs the GPU engine, cpu the fp32 reference (auto: cuda when torch sees a GPU); "
+                   "trt: lean loads --lean plans with tensorrt_lean.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8"]), help="Refuse an engine of another precision.")
 @click.option("--ref-codes", type=click.Path(path_type=Path), help="Voice clone: reference audio codes [T,8] (.npy).")
 @click.option("--ref-text", help="Voice clone: transcript of the reference audio.")
@@ -90,68 +61,175 @@ def _backend(name: str | None, checkpoint: Path | None, engine_dir: Path | None,
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed: same seed, same audio.")
 @click.option("--codes-out", type=click.Path(path_type=Path), help="Also save the final frames [T,8] (.npy).")
 @click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache length (torch backend).")
+@click.option("--stream", is_flag=True, help="Write audio as it is decoded (time to first audio on stderr).")
+@click.option("--first-chunk", type=int, default=8, show_default=True, help="Frames (40 ms each) in the first chunk.")
+@click.option("--chunk", type=int, default=25, show_default=True, help="Frames in each later chunk.")
+@click.option("--context", type=int, help="Frames decoded before each chunk [default: the codec's receptive field].")
+@click.option("--holdback", type=int, help="Frames decoded after each chunk [default: the codec's receptive field].")
+@click.option("--first-holdback", type=int,
+              help="Low latency: a smaller holdback for the first chunk only (its last samples are then not exact).")
 def run(text, out, engine, checkpoint, backend, device, precision, ref_codes, ref_text, temperature, top_k, top_p, seed,
-        codes_out, max_seq):
-    """Speak TEXT into a wav file."""
+        codes_out, max_seq, stream, first_chunk, chunk, context, holdback, first_holdback):
+    """Speak TEXT into a wav file (or stream it)."""
+    import sys
+
     from .decoding import Sampling
-    from .generate import generate
     from .prompt import HiggsTokenizer, build_prompt, load_reference_codes
+    from .scheduler import Scheduler, request_for
+    from .sinks import PcmSink, WavSink
     from .wav import SAMPLE_RATE, check_writable, write_atomic, write_wav
 
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise HiggsError("need temperature ≥ 0, top-k ≥ 0 and 0 < top-p ≤ 1")
-    for path in (out, codes_out):
-        if path is not None:
-            check_writable(path)
+    to_stdout = str(out) == "-"
+    if to_stdout and not stream:
+        raise HiggsError("--out - (raw PCM on stdout) needs --stream")
+    for path in ([] if to_stdout else [out]) + ([codes_out] if codes_out else []):
+        check_writable(path)
     ref = load_reference_codes(ref_codes) if ref_codes else None
 
     t0 = time.perf_counter()
     model, tokenizer_path = _backend(backend, checkpoint, engine, max_seq, device, precision)
+    plan = stream_plan(model.codec_strides, first_chunk, chunk, context, holdback, first_holdback)
     prompt = build_prompt(HiggsTokenizer(tokenizer_path), text, ref, ref_text)
     say(f"loaded {model.name} backend in {time.perf_counter() - t0:.1f} s; prompt of {len(prompt)} tokens")
 
-    t0 = time.perf_counter()
-    result = generate(model, [prompt], Sampling(temperature, top_k, top_p, seed))[0]
-    seconds = len(result.audio) / SAMPLE_RATE
-    say(f"decoded {result.rows} rows in {time.perf_counter() - t0:.1f} s → {len(result.frames)} frames, "
-        f"{seconds:.2f} s of audio (stopped by {result.stop_reason})")
+    sink = (PcmSink(sys.stdout.buffer) if to_stdout else WavSink(out)) if stream else None
+    request = request_for(model, prompt, Sampling(temperature, top_k, top_p, seed),
+                          on_chunk=sink.write if sink else None)
+    scheduler = Scheduler(model, plan)
+    try:
+        scheduler.submit(request)
+        scheduler.run()
+    except BaseException:
+        if sink:
+            sink.abort()
+        raise
+    u = request.utterance
+    seconds = len(u.frames()) * 960 / SAMPLE_RATE
+    wall = request.finished_at - request.submitted_at
+    first = f"first audio after {1e3 * (request.first_audio_at - request.submitted_at):.0f} ms, " \
+        if request.first_audio_at else ""
+    say(f"decoded {len(u.rows)} rows → {len(u.frames())} frames, {seconds:.2f} s of audio (stopped by "
+        f"{u.stop_reason}); {first}{wall:.2f} s in all, real-time factor {wall / max(seconds, 1e-9):.3f}")
 
     if codes_out is not None:
         def save_codes(tmp: Path) -> None:
             with open(tmp, "wb") as f:
-                np.save(f, result.frames)
+                np.save(f, u.frames())
 
         write_atomic(codes_out, save_codes)
-    clipped = write_wav(out, result.audio)
-    say(f"wrote {out}" + (f" ({clipped} samples clipped to ±1)" if clipped else ""))
+    if sink:
+        sink.close()
+        clipped = sink.clipped
+    else:
+        clipped = write_wav(out, request.audio())
+    say(f"wrote {'stdout' if to_stdout else out}" + (f" ({clipped} samples clipped to ±1)" if clipped else ""))
+
+
+def stream_plan(strides, first_chunk: int, chunk: int, context: int | None, holdback: int | None,
+                first_holdback: int | None):
+    """Codec windows: exact by default (context and holdback from the decoder's receptive field)."""
+    from .streaming import StreamPlan, receptive_field
+
+    left, right = receptive_field(tuple(strides))
+    plan = StreamPlan(left if context is None else context, right if holdback is None else holdback, first_chunk,
+                      chunk, first_holdback)
+    if plan.left < left or plan.right < right or plan.first_right is not None and plan.first_right < right:
+        say(f"note: context {plan.left} / holdback {plan.right}"
+            + (f" / first holdback {plan.first_right}" if plan.first_right is not None else "")
+            + f" frames is less than the codec's receptive field ({left} / {right}): chunk seams are not exact")
+    return plan
 
 
 @main.group()
 def bench():
-    """Benchmarks that print figures: decode loop, export memory, BF16 vs FP8 builds, plugin kernels."""
+    """Benchmarks that print figures: decode loop, streaming, export memory, BF16 vs FP8 builds, kernels."""
+
+
+def _bench_engine(backend, checkpoint, engine, device, max_seq, max_batch, precision, placeholder_scales):
+    """The engine a benchmark times; --placeholder-scales times FP8 from a checkpoint without calibrating."""
+    if placeholder_scales:
+        if not checkpoint or engine or precision != "fp8":
+            raise HiggsError("--placeholder-scales times FP8 speed from a --checkpoint (with --precision fp8)")
+        from higgs_trt.builder.checkpoint import Checkpoint
+        from higgs_trt.builder.gpu_engine import load_gpu_engine
+
+        ckpt = Checkpoint(checkpoint)
+        amax = {f"body.layers.{i}.{site}": 4.0 for i in range(ckpt.config.num_layers)
+                for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
+        return load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(512, max_seq // 2),
+                               act_amax=amax, say=say), checkpoint / "tokenizer.json"
+    return _backend(backend, checkpoint, engine, max_seq, device, precision, max_batch)
+
+
+def bench_options(command):
+    for option in reversed([
+        click.option("--engine", type=click.Path(path_type=Path), help="Engine directory."),
+        click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch backend)."),
+        click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="Default: ort with --engine, else torch."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True),
+        click.option("--precision", type=click.Choice(["bf16", "fp8"])),
+        click.option("--placeholder-scales", is_flag=True,
+                     help="FP8 speed from a checkpoint with unit activation scales instead of calibrating (timing only)."),
+        click.option("--text", default="The quick brown fox jumps over the lazy dog, twice, and then once more.",
+                     show_default=True),
+        click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache length (torch backend)."),
+        click.option("--rows", type=int, default=250, show_default=True,
+                     help="Rows per request at most (random weights rarely emit EOC: this fixes the length)."),
+    ]):
+        command = option(command)
+    return command
 
 
 @bench.command("decode")
-@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (ort backend).")
-@click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch backend).")
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="Default: ort with --engine, else torch.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True)
-@click.option("--text", default="The quick brown fox jumps over the lazy dog, twice, and then once more.",
-              show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True, help="Prompts decoded together.")
-@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs (the median run is shown).")
-@click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache length (torch backend).")
-def bench_decode(engine, checkpoint, backend, device, text, batch, repeats, max_seq):
-    """Time the decode loop: ms per row in the engine, host overhead per row, codec time, real-time factor."""
-    from .bench import run_bench
+@bench_options
+@click.option("--batches", default="1,8,64", show_default=True, help="Batch sizes (GPU engine) or prompts decoded together.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs (host-driven engines).")
+def bench_decode(engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows, batches,
+                 repeats):
+    """Time the decode loop. GPU engine: ms per step by batch size, host µs per row, audio-s/s, time to first audio,
+    peak memory, ratio to the weight-read floor. Host-driven engines: ms per step, host overhead, codec, RTF."""
     from .decoding import Sampling
     from .prompt import HiggsTokenizer, build_prompt
 
-    model, tokenizer_path = _backend(backend, checkpoint, engine, max_seq, device)
-    prompts = [build_prompt(HiggsTokenizer(tokenizer_path), text)] * batch
-    say(f"{model.name} backend, batch {batch}, prompt of {len(prompts[0])} tokens; median of {repeats} runs")
+    sizes = [int(b) for b in batches.split(",")]
+    model, tokenizer_path = _bench_engine(backend, checkpoint, engine, device, max_seq, max(sizes), precision,
+                                          placeholder_scales)
+    prompt = build_prompt(HiggsTokenizer(tokenizer_path), text)
+    say(f"{model.name} backend, prompt of {len(prompt)} tokens, at most {rows} rows")
+    if model.name == "torch-cuda":
+        from higgs_trt.builder.gpu_bench import bench_decode as gpu_bench_decode
+
+        gpu_bench_decode(model, prompt, sizes, rows, say=click.echo)
+        return
+    from .bench import run_bench
+
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
-        click.echo(run_bench(model, prompts, sampling, repeats).line())
+        click.echo(run_bench(model, [prompt] * min(max(sizes), model.max_batch), sampling, repeats).line())
+
+
+@bench.command("stream")
+@bench_options
+@click.option("--concurrency", default="1,8,64", show_default=True, help="Closed-loop clients, one figure each.")
+@click.option("--requests", type=int, default=0, help="Requests per concurrency level [default: 2 × concurrency].")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+def bench_stream(engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows, concurrency,
+                 requests, temperature):
+    """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level."""
+    from .bench import bench_stream as run_stream
+    from .decoding import Sampling
+    from .prompt import HiggsTokenizer, build_prompt
+
+    levels = [int(c) for c in concurrency.split(",")]
+    model, tokenizer_path = _bench_engine(backend, checkpoint, engine, device, max_seq, max(levels), precision,
+                                          placeholder_scales)
+    prompt = build_prompt(HiggsTokenizer(tokenizer_path), text)
+    say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens, {rows} rows per request")
+    run_stream(model, prompt, 1, 1, rows, Sampling(temperature, seed=0))  # warm-up
+    for c in levels:
+        figures = run_stream(model, prompt, c, requests or 2 * c, rows, Sampling(temperature, seed=0))
+        click.echo(figures.line())
 
 
 @main.command()

@@ -1,41 +1,21 @@
-"""The decode loop: prompt → prefill → one `lm` call per row → stopping rules → de-delay → codec → audio.
+"""The lm graph's feeds, and `generate`: prompts in, finished utterances out, through the scheduler.
 
-Backends (torch reference, ONNX Runtime, TensorRT) all expose the same three calls over the engine's graph
-contract; the loop owns every decision (sampling, delay mask, EOC, guards, caps), so every backend decodes
-by the same rules. Each `lm` call gets the same feed names:
+Every lm call gets the same feed names (the engine directory's graph contract):
 
   input_ids [B,S] int32, audio_codes [B,S,8] int32, is_audio [B,S] bool, write_pos [B] int64,
   new_len [B] int64, row_index [B] int64, end_frame [B] int64  →  logits [B,8,1026] fp32, codes [B,8] int32
 
-S is the padded prompt length for prefill and 1 for a step; the KV caches stay inside the backend.
+S is the prompt length for a prefill and 1 for a step; the KV caches stay inside the backend.
 """
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
-from .decoding import HARD_CAP_ROWS, NUM_CODEBOOKS, Sampling, Utterance, choose_codes, delay_mask, row_cap
-from .errors import HiggsError
+from .decoding import HARD_CAP_ROWS, NO_END, NUM_CODEBOOKS, Sampling
 from .prompt import Prompt
 
-NO_END = np.int64(1 << 40)  # end_frame while the utterance's end is unknown: never reached by row - k
-MIN_ROWS = NUM_CODEBOOKS  # fewer rows than this cannot complete a single frame
-
-
-class Backend(Protocol):
-    name: str
-    max_seq: int  # KV-cache rows: prompt + generated rows must fit
-    max_batch: int
-
-    def start(self, batch: int) -> None:
-        """Prepare caches for a new batch of `batch` sequences."""
-
-    def lm(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """One graph call; returns (logits [B,8,1026] fp32, codes [B,8] int32), valid until the next call."""
-
-    def codec(self, codes: np.ndarray) -> np.ndarray:
-        """codes [B,8,T] int32 → waveform [B,1,960·T] fp32."""
+__all__ = ["NO_END", "Result", "generate", "prefill_feeds", "step_feeds"]
 
 
 @dataclass
@@ -64,63 +44,22 @@ def prefill_feeds(prompts: list[Prompt]) -> dict[str, np.ndarray]:
     return feeds
 
 
-def step_feeds(codes: np.ndarray, write_pos: np.ndarray, row: int, end_frame: np.ndarray) -> dict[str, np.ndarray]:
-    """Feeds of one decode step: each sequence's last row of codes [B,8], written at write_pos [B]."""
+def step_feeds(codes: np.ndarray, write_pos, row_index, end_frame) -> dict[str, np.ndarray]:
+    """Feeds of one decode step: each row's fed codes [B,8], written at write_pos [B], predicting row_index [B]."""
     b = len(codes)
     return {"input_ids": np.zeros((b, 1), np.int32), "audio_codes": np.asarray(codes, np.int32).reshape(b, 1, -1),
             "is_audio": np.ones((b, 1), bool), "write_pos": np.asarray(write_pos, np.int64),
-            "new_len": np.ones(b, np.int64), "row_index": np.full(b, row, np.int64),
-            "end_frame": np.asarray(end_frame, np.int64)}
+            "new_len": np.ones(b, np.int64), "row_index": np.broadcast_to(np.asarray(row_index, np.int64), (b,)).copy(),
+            "end_frame": np.broadcast_to(np.asarray(end_frame, np.int64), (b,)).copy()}
 
 
-def row_caps(prompts: list[Prompt], max_seq: int, hard_cap: int = HARD_CAP_ROWS) -> list[int]:
-    caps = []
-    for x in prompts:
-        room = max_seq - len(x)
-        if room < MIN_ROWS:
-            raise HiggsError(f"text too long: the prompt takes {len(x)} of the engine's {max_seq} cache positions, "
-                             f"leaving room for {max(room, 0)} rows (at least {MIN_ROWS} are needed)")
-        caps.append(min(row_cap(x.text_chars, hard_cap), room))
-    return caps
+def generate(engine, prompts: list[Prompt], sampling: Sampling = Sampling(), hard_cap: int = HARD_CAP_ROWS,
+             plan=None) -> list[Result]:
+    """Decode every prompt to the end (in flight together, as many as the engine has slots); audio is decoded
+    through the same exact codec windows as streaming."""
+    from .scheduler import Scheduler, request_for
 
-
-def generate(backend: Backend, prompts: list[Prompt], sampling: Sampling = Sampling(),
-             hard_cap: int = HARD_CAP_ROWS) -> list[Result]:
-    b = len(prompts)
-    if not 1 <= b <= backend.max_batch:
-        raise HiggsError(f"batch of {b} prompts; this engine takes 1..{backend.max_batch}")
-    utterances = [Utterance(cap) for cap in row_caps(prompts, backend.max_seq, hard_cap)]
-    rngs = [np.random.default_rng(sampling.seed + i) for i in range(b)]
-    end = np.full(b, NO_END, np.int64)
-
-    backend.start(b)
-    logits, codes = backend.lm(prefill_feeds(prompts))
-    step = step_feeds(np.zeros((b, NUM_CODEBOOKS)), [len(x) for x in prompts], 0, end)
-    step["end_frame"] = end  # the loop updates it in place
-    row = 0
-    while True:
-        if not sampling.greedy:
-            picked = np.stack([choose_codes(logits[i], sampling, rngs[i]) for i in range(b)])
-            codes = delay_mask(picked, np.full(b, row), end)
-        for i, u in enumerate(utterances):
-            if not u.done:
-                u.push(codes[i])
-                if u.end_frame is not None:
-                    end[i] = u.end_frame
-        if all(u.done for u in utterances):
-            break
-        # Feed this row back (re-masked in case an end was just found); finished sequences keep rewriting
-        # their last cache slot so their positions never run past the cache.
-        step["audio_codes"][:, 0] = delay_mask(codes, np.full(b, row), end)
-        row += 1
-        step["row_index"][:] = row
-        if row > 1:
-            step["write_pos"] += [0 if u.done else 1 for u in utterances]
-        logits, codes = backend.lm(step)
-
-    results = []
-    for u in utterances:
-        frames = u.frames()
-        audio = backend.codec(frames.T[None])[0, 0] if len(frames) else np.zeros(0, np.float32)
-        results.append(Result(frames, audio, u.stop_reason, len(u.rows)))
-    return results
+    scheduler = Scheduler(engine, plan)
+    requests = [scheduler.submit(request_for(engine, p, sampling, hard_cap)) for p in prompts]
+    scheduler.run()
+    return [Result(r.utterance.frames(), r.audio(), r.utterance.stop_reason, len(r.utterance.rows)) for r in requests]

@@ -1,7 +1,10 @@
-"""ONNX Runtime backend: the fp32 reference twin (`lm.ref.onnx`) and the codec, on CPU or the CUDA EP.
+"""ONNX Runtime backend: the fp32 reference twin (`lm.ref.onnx`, or `lm.fp8.ref.onnx`) and the codec, on the CPU, as an
+engine graph for runtime/stepper.py. It is the reference that runs anywhere; on a GPU use `--backend trt` or `torch`.
 
-Sessions and buffers are made once. The KV caches are two sets of OrtValues used in turn (one is read while
-the other is written), so a step never allocates or copies a cache on the host side.
+Sessions, I/O bindings and the KV caches [max_batch, Hkv, S_max, D] are made once. A call binds views of the caches:
+one slot's for a prefill, the first B slots' for a step. Each cache is bound as both the input (`past_*`) and the
+output (`present_*`): ONNX Runtime's TensorScatter copies its input to its output and writes the new rows, which on
+one buffer leaves the cache updated in place (tests/test_export.py checks the rows against torch).
 """
 
 import numpy as np
@@ -13,19 +16,15 @@ from .manifest import EngineDir
 class OrtBackend:
     name = "ort"
 
-    def __init__(self, engine: EngineDir, device: str = "auto", threads: int = 0, graph: str | None = None):
+    def __init__(self, engine: EngineDir, threads: int = 0, graph: str | None = None, max_batch: int | None = None):
         import onnxruntime as ort
 
         self.engine = engine
         limits = engine.manifest["limits"]
-        self.max_seq, self.max_batch = limits["max_seq"], limits["max_batch"]
-        available = ort.get_available_providers()
-        if device == "auto":
-            device = "cuda" if "CUDAExecutionProvider" in available else "cpu"
-        if device == "cuda" and "CUDAExecutionProvider" not in available:
-            raise HiggsError("--device cuda needs onnxruntime-gpu and an NVIDIA GPU")
-        self.device = device
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        self.max_seq, self.max_prompt = limits["max_seq"], limits["max_prompt"]
+        self.max_batch = min(max_batch or limits["max_batch"], limits["max_batch"])
+        self.codec_strides = tuple(engine.manifest["codec"]["strides"])
+        providers = ["CPUExecutionProvider"]
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.log_severity_level = 3  # TensorScatter warns on every call that it copies the cache
@@ -34,11 +33,10 @@ class OrtBackend:
         self.lm_session = self._session(engine, graph, options, providers)
         self.codec_session = self._session(engine, "codec", options, providers)
         io = engine.graph(graph)
-        self.cache_inputs = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
-        self.cache_outputs = [t["name"] for t in io["outputs"] if t["name"].startswith("present_")]
-        self.cache_shape = next(t["shape"] for t in io["inputs"] if t["name"].startswith("past_"))[1:]
-        self.logits_shape = next(t["shape"] for t in io["outputs"] if t["name"] == "logits")[1:]
-        self.batch = None
+        self.cache_names = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
+        cache_shape = next(t["shape"] for t in io["inputs"] if t["name"].startswith("past_"))[1:]
+        self.caches = [np.zeros((self.max_batch, *cache_shape), np.float32) for _ in self.cache_names]
+        self.binding = self.lm_session.io_binding()
 
     def _session(self, engine: EngineDir, graph: str, options, providers):
         session = self._ort.InferenceSession(str(engine.file(graph)), options, providers=providers)
@@ -50,38 +48,23 @@ class OrtBackend:
                 raise HiggsError(f"{engine.file(graph)}: {kind} {got} differ from the manifest's {want}")
         return session
 
-    def _zeros(self, shape, dtype) -> "object":
-        return self._ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), self.device, 0)
-
-    def start(self, batch: int) -> None:
-        if batch != self.batch:  # buffers are per batch size, made once
-            shape = (batch, *self.cache_shape)
-            self.caches = [[self._zeros(shape, np.float32) for _ in self.cache_inputs] for _ in range(2)]
-            self.logits = self._zeros((batch, *self.logits_shape), np.float32)
-            self.codes = self._zeros((batch, self.logits_shape[0]), np.int32)
-            self.binding = self.lm_session.io_binding()
-            self.batch = batch
-        else:  # stale rows are harmless (masked, then overwritten) but start from a clean state anyway
-            for value in self.caches[0]:
-                value.update_inplace(np.zeros(value.shape(), np.float32))
-        self.current = 0
-
-    def lm(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def lm(self, feeds: dict[str, np.ndarray], slot: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One graph call on slot `slot` (batch 1), or on the first B slots."""
+        rows = slice(slot, slot + 1) if slot is not None else slice(0, len(feeds["write_pos"]))
         b = self.binding
         b.clear_binding_inputs()
         b.clear_binding_outputs()
         for name, value in feeds.items():
             b.bind_cpu_input(name, value)
-        read, write = self.caches[self.current], self.caches[1 - self.current]
-        for name, value in zip(self.cache_inputs, read):
-            b.bind_ortvalue_input(name, value)
-        for name, value in zip(self.cache_outputs, write):
-            b.bind_ortvalue_output(name, value)
-        b.bind_ortvalue_output("logits", self.logits)
-        b.bind_ortvalue_output("codes", self.codes)
+        b.bind_output("logits")
+        b.bind_output("codes")
+        for name, cache in zip(self.cache_names, self.caches):
+            view = self._ort.OrtValue.ortvalue_from_numpy(cache[rows])  # wraps the numpy memory, no copy
+            b.bind_ortvalue_input(name, view)
+            b.bind_ortvalue_output(name.replace("past_", "present_"), view)
         self.lm_session.run_with_iobinding(b)
-        self.current = 1 - self.current
-        return self.logits.numpy(), self.codes.numpy()
+        logits, codes = b.get_outputs()[:2]
+        return logits.numpy(), codes.numpy()
 
     def codec(self, codes: np.ndarray) -> np.ndarray:
         return self.codec_session.run(None, {"codes": codes.astype(np.int32)})[0]

@@ -16,6 +16,7 @@ from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END, generate, prefill_feeds, step_feeds
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.ort_backend import OrtBackend
+from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 
 PROMPTS = ["Hello world.", "It was 3:45 pm, and the temperature was 21.5 degrees!", "Can you call me back?"]
@@ -24,7 +25,7 @@ PROMPTS = ["Hello world.", "It was 3:45 pm, and the temperature was 21.5 degrees
 @pytest.fixture(scope="module")
 def backends(tiny_ckpt, tiny_engine):
     engine = EngineDir(tiny_engine)
-    return OrtBackend(engine, "cpu"), TorchBackend(tiny_ckpt, max_seq=engine.manifest["limits"]["max_seq"], device="cpu")
+    return OrtBackend(engine), TorchBackend(tiny_ckpt, max_seq=engine.manifest["limits"]["max_seq"], max_batch=4)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,6 @@ def test_teacher_forced_logits_match_torch_over_40_steps(backends, tok):
     prompts = [build_prompt(tok, PROMPTS[0]), build_prompt(tok, PROMPTS[1])]  # batch of 2, different lengths
     rng = np.random.default_rng(0)
     worst = 0.0
-    for be in backends:
-        be.start(2)
     outs = [be.lm(prefill_feeds(prompts)) for be in backends]
     lens = np.array([len(p) for p in prompts])
     for step in range(41):
@@ -55,8 +54,8 @@ def test_teacher_forced_logits_match_torch_over_40_steps(backends, tok):
 def test_greedy_free_run_matches_torch(backends, tok, clone):
     ref_codes = np.random.default_rng(1).integers(0, 1024, size=(12, 8)).astype(np.int32)
     prompts = [build_prompt(tok, text, ref_codes if clone else None, "A reference." if clone else None) for text in PROMPTS]
-    ort_results = generate(backends[0], prompts, Sampling())
-    torch_results = generate(backends[1], prompts, Sampling())
+    ort_results = generate(HostStepper(backends[0]), prompts, Sampling())
+    torch_results = generate(HostStepper(backends[1]), prompts, Sampling())
     for a, b in zip(ort_results, torch_results):
         assert a.stop_reason == b.stop_reason and np.array_equal(a.frames, b.frames) and len(a.frames) > 0
         assert np.abs(a.audio - b.audio).max() < 1e-4
@@ -68,18 +67,17 @@ def test_codec_matches_torch(backends):
     assert a.shape == b.shape == (2, 1, 960 * 17) and np.abs(a - b).max() < 1e-4
 
 
-def test_cache_rows_are_written_once_and_prefix_plus_step_equals_prefill(tiny_ckpt, tok, backends):
-    ort, _ = backends
+def test_cache_rows_are_written_once_and_prefix_plus_step_equals_prefill(tiny_engine, tok):
+    ort = OrtBackend(EngineDir(tiny_engine), max_batch=1)  # fresh caches: all zero
     p = build_prompt(tok, PROMPTS[1])
     n = len(p)
-    ort.start(1)
-    ort.lm(prefill_feeds([p]))
-    before = [c.numpy().copy() for c in ort.caches[ort.current]]
+    ort.lm(prefill_feeds([p]), slot=0)
+    before = [c.copy() for c in ort.caches]
     assert all((c[:, :, n:] == 0).all() and (np.abs(c[:, :, :n]).sum(-1) > 0).all() for c in before)
     row = np.random.default_rng(3).integers(0, 1026, size=(1, 8))
     logits_step, _ = ort.lm(step_feeds(row, [n], 1, [NO_END]))
     logits_step = logits_step.copy()
-    after = [c.numpy() for c in ort.caches[ort.current]]
+    after = ort.caches
     for b, a in zip(before, after):
         changed = np.flatnonzero(np.abs(a - b).sum(axis=(0, 1, 3)) > 0)
         assert list(changed) == [n]  # exactly the step's own position
@@ -89,7 +87,6 @@ def test_cache_rows_are_written_once_and_prefix_plus_step_equals_prefill(tiny_ck
     full = {k: np.concatenate([v, v[:, -1:]], axis=1) if v.ndim > 1 else v for k, v in full.items()}
     full["audio_codes"][0, -1], full["is_audio"][0, -1], full["new_len"][:] = row[0], True, n + 1
     full["row_index"][:] = 1
-    ort.start(1)
     logits_full, _ = ort.lm(full)
     assert np.abs(logits_full - logits_step).max() < 1e-5
 

@@ -16,6 +16,7 @@ from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import generate
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.ort_backend import OrtBackend
+from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 
 
@@ -88,11 +89,11 @@ def test_ort_runs_the_fp8_twin_and_the_gate_is_recorded(tiny_fp8_engine):
 
 
 def test_requests_in_any_order_decode_identically(tiny_fp8_engine, tiny_ckpt):
-    backend = OrtBackend(EngineDir(tiny_fp8_engine), "cpu")
+    backend = OrtBackend(EngineDir(tiny_fp8_engine))
     tok = HiggsTokenizer(tiny_ckpt / "tokenizer.json")
     a, b = build_prompt(tok, "First request, with numbers 1 2 3."), build_prompt(tok, "Second!")
-    forward = [generate(backend, [p], Sampling())[0].frames for p in (a, b)]
-    backward = [generate(backend, [p], Sampling())[0].frames for p in (b, a)][::-1]
+    forward = [generate(HostStepper(backend), [p], Sampling())[0].frames for p in (a, b)]
+    backward = [generate(HostStepper(backend), [p], Sampling())[0].frames for p in (b, a)][::-1]
     assert all(np.array_equal(x, y) and len(x) for x, y in zip(forward, backward))
 
 

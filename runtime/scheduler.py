@@ -1,0 +1,197 @@
+"""In-flight batching: requests join and leave a fixed set of engine slots at any step, and stream audio as they go.
+
+One loop, shared by every backend (the slot contract: runtime/stepper.py, builder/gpu_engine.py):
+
+  admit    queued requests take free slots: a prefill each (batch 1), which also chooses the request's row 0
+  step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot)
+  collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
+  release  finished or cancelled requests free their slot; the engine no longer advances it
+  audio    codec windows that became decodable (runtime/streaming.py), windows of equal length decoded in one call
+
+A request's codes depend only on its prompt, sampling and seed (batch-invariant kernels, per-request uniforms), so
+it decodes the same alone or joining a batch mid-flight. `submit` and `cancel` may be called from other threads.
+"""
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .decoding import HARD_CAP_ROWS, NUM_CODEBOOKS, Sampling, Utterance, row_cap
+from .errors import HiggsError
+from .prompt import Prompt
+from .streaming import StreamPlan
+
+MIN_ROWS = NUM_CODEBOOKS  # fewer rows than this cannot complete a single frame
+
+
+class QueueFull(HiggsError):
+    pass
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: Prompt
+    sampling: Sampling
+    max_rows: int
+    on_chunk: Callable[[np.ndarray], None] | None = None  # audio as it is ready; else kept for audio()
+    on_done: Callable[["Request"], None] | None = None
+    # kept by the scheduler
+    utterance: Utterance | None = None
+    emitted: int = 0  # frames whose audio went out
+    chunks: list = field(default_factory=list)
+    cancelled: bool = False
+    finished: bool = False
+    error: str | None = None
+    submitted_at: float = 0.0
+    first_audio_at: float | None = None
+    finished_at: float | None = None
+
+    def audio(self) -> np.ndarray:
+        return np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
+
+    @property
+    def stop_reason(self) -> str:
+        return "cancelled" if self.cancelled else self.utterance.stop_reason
+
+
+def request_for(engine, prompt: Prompt, sampling: Sampling, hard_cap: int = HARD_CAP_ROWS, **callbacks) -> Request:
+    """A request whose row cap fits the text and the engine's cache; refused if the prompt leaves too little room."""
+    if len(prompt) > engine.max_prompt:
+        raise HiggsError(f"text too long: the prompt takes {len(prompt)} tokens; this engine's prefill takes at most "
+                         f"{engine.max_prompt}")
+    room = engine.max_seq - len(prompt)
+    if room < MIN_ROWS:
+        raise HiggsError(f"text too long: the prompt takes {len(prompt)} of the engine's {engine.max_seq} cache "
+                         f"positions, leaving room for {max(room, 0)} rows (at least {MIN_ROWS} are needed)")
+    return Request(prompt, sampling, min(row_cap(prompt.text_chars, hard_cap), room), **callbacks)
+
+
+class Scheduler:
+    def __init__(self, engine, plan: StreamPlan | None = None, max_queue: int = 1024):
+        self.engine = engine
+        self.plan = plan or StreamPlan.exact(engine.codec_strides)
+        self.max_queue = max_queue
+        self.slots: list[Request | None] = [None] * engine.max_batch
+        self.queue: deque[Request] = deque()
+        self.lock = threading.Lock()
+        self.wakeup = threading.Event()
+
+    # ---- from any thread -------------------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Request:
+        with self.lock:
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting)")
+            request.submitted_at = time.perf_counter()
+            request.utterance = Utterance(request.max_rows)
+            self.queue.append(request)
+        self.wakeup.set()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        request.cancelled = True  # the loop frees its slot at its next step
+        self.wakeup.set()
+
+    @property
+    def busy(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    # ---- the loop ----------------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Until every submitted request is finished."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One iteration; False when there is nothing left to do."""
+        self._admit()
+        busy = [s for s, r in enumerate(self.slots) if r is not None]
+        if busy:
+            self.engine.step(busy[-1] + 1)
+        for slot, codes in self.engine.rows(keep=self.engine.lag if busy else 0):
+            request = self.slots[slot]
+            if request is not None and not request.utterance.done:
+                request.utterance.push(codes)
+        windows = []
+        for slot, request in enumerate(self.slots):
+            if request is None:
+                continue
+            if request.cancelled or request.utterance.done:
+                self.engine.release(slot)
+                self.slots[slot] = None
+            if request.cancelled:
+                self._finish(request)
+            else:
+                windows += self._due(request)
+        self._decode(windows)
+        with self.lock:
+            return bool(self.queue) or any(r is not None for r in self.slots)
+
+    def _admit(self) -> None:
+        while True:
+            with self.lock:
+                while self.queue and self.queue[0].cancelled:
+                    self._finish(self.queue.popleft())
+                free = next((s for s, r in enumerate(self.slots) if r is None), None)
+                if free is None or not self.queue:
+                    return
+                request = self.queue.popleft()
+            try:
+                self.engine.prefill(free, request.prompt, request.sampling)
+            except HiggsError as e:
+                request.error = str(e)
+                self._finish(request)
+                continue
+            self.slots[free] = request
+
+    def _due(self, request: Request) -> list:
+        """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""
+        u = request.utterance
+        out, emitted = [], request.emitted
+        while window := self.plan.next_window(emitted, u.ready(), u.done):
+            out.append((request, window))
+            emitted = window.emit_to
+        if u.done and not out:
+            self._finish(request)
+        return out
+
+    def _decode(self, windows: list) -> None:
+        """Decode the windows (one codec call per window length), then hand out the audio in window order."""
+        by_length: dict[int, list] = {}
+        for i, (request, window) in enumerate(windows):
+            by_length.setdefault(window.stop - window.start, []).append(i)
+        audio = [None] * len(windows)
+        for group in by_length.values():
+            codes = np.stack([windows[i][0].utterance.frames(windows[i][1].start, windows[i][1].stop).T for i in group])
+            for i, samples in zip(group, self.engine.codec(codes)[:, 0]):
+                audio[i] = samples
+        for (request, window), samples in zip(windows, audio):
+            self._deliver(request, window.trim(samples))
+            request.emitted = window.emit_to
+            if request.utterance.done and request.emitted >= request.utterance.ready():
+                self._finish(request)
+
+    def _deliver(self, request: Request, chunk: np.ndarray) -> None:
+        if request.first_audio_at is None:
+            request.first_audio_at = time.perf_counter()
+        if request.on_chunk is not None:
+            request.on_chunk(chunk)
+        else:
+            request.chunks.append(chunk)
+
+    def _finish(self, request: Request) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        request.finished_at = time.perf_counter()
+        if request.on_done is not None:
+            request.on_done(request)

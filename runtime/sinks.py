@@ -1,0 +1,89 @@
+"""Where streamed audio goes as chunks are ready: raw PCM on a byte stream, or a wav file that grows.
+
+PCM is 24 kHz mono signed 16-bit little-endian. A growing wav is written under a temporary name beside the target
+(its header's sizes filled in at the end) and renamed into place only when complete: a reader never finds a
+half-written file under the final name.
+"""
+
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import HiggsError
+from .wav import SAMPLE_RATE
+
+WAV_HEADER = 44
+UNKNOWN_SIZE = 0xFFFFFFFF  # the RIFF and data sizes of a wav whose length is not known yet (streamed over HTTP)
+
+
+def pcm16(samples: np.ndarray) -> tuple[bytes, int]:
+    """Float samples in [-1, 1] → s16le bytes, and how many samples had to be clipped."""
+    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+    clipped = int(np.count_nonzero(np.abs(samples) > 1.0))
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes(), clipped
+
+
+def wav_header(data_bytes: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """The 44-byte header of a mono 16-bit wav; `None`: sizes unknown (0xFFFFFFFF), for a stream."""
+    data = UNKNOWN_SIZE if data_bytes is None else data_bytes
+    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate,
+                                                                           2 * sample_rate, 2, 16)
+            + b"data" + struct.pack("<I", data))
+
+
+class PcmSink:
+    """Raw PCM to a binary stream (stdout), flushed chunk by chunk."""
+
+    def __init__(self, stream):
+        self.stream, self.samples, self.clipped = stream, 0, 0
+
+    def write(self, chunk: np.ndarray) -> None:
+        data, clipped = pcm16(chunk)
+        self.stream.write(data)
+        self.stream.flush()
+        self.samples += len(chunk)
+        self.clipped += clipped
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class WavSink:
+    """A wav file written as it grows, under a temporary name until `close()` renames it into place."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=self.path.resolve().parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        self.tmp = Path(tmp)
+        self.file = os.fdopen(fd, "wb")
+        self.file.write(wav_header(0))
+        self.samples, self.clipped = 0, 0
+
+    def write(self, chunk: np.ndarray) -> None:
+        data, clipped = pcm16(chunk)
+        self.file.write(data)
+        self.file.flush()
+        self.samples += len(chunk)
+        self.clipped += clipped
+
+    def close(self) -> None:
+        try:
+            self.file.seek(0)
+            self.file.write(wav_header(2 * self.samples))
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise HiggsError(f"{self.path}: cannot write ({e.strerror or e})") from None
+
+    def abort(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+        self.tmp.unlink(missing_ok=True)

@@ -1,0 +1,72 @@
+"""The slot contract over an engine graph that is called from the host (ONNX Runtime, TensorRT, the torch reference).
+
+The scheduler (runtime/scheduler.py) drives every backend through the same five calls: `prefill(slot, prompt,
+sampling)`, `step(n)`, `rows(keep)`, `release(slot)` and `codec(codes)`. The GPU engine (builder/gpu_engine.py) keeps
+each slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
+
+  lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
+
+where `slot=i` runs a batch-1 call on slot i's cache (a prefill) and `slot=None` runs the first B slots (a step).
+Each row is chosen here by the shared rules: the graph's greedy codes, or runtime/sampling.py's seeded sampling
+under the delay mask; then the end frame (decoding.find_end) and the row fed back, masked with that end.
+"""
+
+import numpy as np
+
+from .decoding import NO_END, NUM_CODEBOOKS, Sampling, delay_mask, find_end
+from .generate import prefill_feeds, step_feeds
+from .prompt import Prompt
+from .sampling import choose_row
+
+
+class HostStepper:
+    lag = 0  # rows are known when step() returns
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.name, self.max_batch, self.max_seq = backend.name, backend.max_batch, backend.max_seq
+        self.max_prompt, self.codec_strides = backend.max_prompt, backend.codec_strides
+        b = self.max_batch
+        self.write_pos = np.zeros(b, np.int64)  # where the next fed row is written
+        self.row = np.zeros(b, np.int64)  # the row the next call chooses
+        self.end = np.full(b, NO_END, np.int64)
+        self.fed = np.zeros((b, NUM_CODEBOOKS), np.int32)
+        self.sampling: list[Sampling | None] = [None] * b
+        self.live = [False] * b
+        self.out: list[tuple[int, np.ndarray]] = []
+
+    def prefill(self, slot: int, prompt: Prompt, sampling: Sampling) -> None:
+        logits, codes = self.backend.lm(prefill_feeds([prompt]), slot=slot)
+        self.write_pos[slot], self.row[slot], self.end[slot] = len(prompt), 0, NO_END
+        self.sampling[slot], self.live[slot] = sampling, True
+        self._choose(slot, logits[0], codes[0])
+
+    def step(self, n: int) -> None:
+        feeds = step_feeds(self.fed[:n], self.write_pos[:n], self.row[:n], self.end[:n])
+        logits, codes = self.backend.lm(feeds)
+        for slot in range(n):
+            if self.live[slot]:
+                self.write_pos[slot] = min(self.write_pos[slot] + 1, self.max_seq - 1)
+                self._choose(slot, logits[slot], codes[slot])
+
+    def _choose(self, slot: int, logits: np.ndarray, graph_codes: np.ndarray) -> None:
+        s, row, end = self.sampling[slot], int(self.row[slot]), self.end[slot]
+        if s.greedy:
+            codes = np.array(graph_codes, np.int32)  # the graph's argmax under the same delay mask
+        else:
+            picked = choose_row(logits, s.temperature, s.top_k, s.top_p, s.seed, row)
+            codes = delay_mask(picked[None], np.array([row]), np.array([end]))[0]
+        self.end[slot] = find_end(codes, row, end)
+        self.fed[slot] = delay_mask(codes[None], np.array([row]), self.end[slot:slot + 1])[0]
+        self.row[slot] += 1
+        self.out.append((slot, codes))
+
+    def rows(self, keep: int = 0) -> list[tuple[int, np.ndarray]]:
+        out, self.out = self.out, []
+        return out
+
+    def release(self, slot: int) -> None:
+        self.live[slot] = False
+
+    def codec(self, codes: np.ndarray) -> np.ndarray:
+        return self.backend.codec(codes)

@@ -1,0 +1,103 @@
+"""Streaming codec windows whose audio equals the one-shot decode.
+
+The codec decoder is not causal: every convolution pads symmetrically, so a sample depends on latent frames on
+both sides. `receptive_field` derives how many, from the decoder's geometry alone, by walking an output sample's
+dependency interval back through each layer (exact integer arithmetic):
+
+  Conv1d(k, dilation d, padding p):          out[o] reads in[o − p + j·d], j = 0..k−1
+  ConvTranspose1d(k, stride s, padding p):   out[o] reads in[i] where i·s − p + j = o, j = 0..k−1
+  residual unit:                             the union of the branch and the identity
+
+Layers, output to input: conv2 (k7), then per block from the last: 3 residual units (k7 at dilations 9, 3, 1, then
+k1) and the transposed conv (k = 2·stride, padding ⌈stride/2⌉), then conv1 (k7). For Higgs' strides (8, 5, 4, 2, 3)
+this gives 10 frames on each side: a window that carries L ≥ left and H ≥ right frames of real context around the
+frames it emits decodes them exactly as the one-shot decode does; with one frame less, the seam samples differ.
+
+Windows: the first chunk is `first` frames, then `chunk` frames each, every one decoded with up to `left` frames
+before and `right` after; the last window ends at the utterance's end (where the one-shot decode pads too) and is
+decoded at its own length. `first_right` < right trades exactness of the first chunk's tail for earlier audio.
+"""
+
+from dataclasses import dataclass
+
+from .decoding import SAMPLES_PER_FRAME
+from .errors import HiggsError
+
+CODEC_MAX_FRAMES = 128  # frames in one codec call (the codec plans' profile maximum)
+RESIDUAL_DILATIONS = (1, 3, 9)
+CONV_KERNEL = 7
+
+
+def receptive_field(strides: tuple[int, ...]) -> tuple[int, int]:
+    """(left, right): latent frames before / after frame t that some sample of frame t depends on."""
+    hop = 1
+    for s in strides:
+        hop *= s
+
+    def conv(lo, hi, k, d=1):
+        pad = d * (k - 1) // 2
+        return lo - pad, hi - pad + d * (k - 1)
+
+    def transposed(lo, hi, s):
+        k, pad = 2 * s, -(-s // 2)
+        return -(-(lo + pad - k + 1) // s), (hi + pad) // s
+
+    t = 1000  # a frame far from both ends
+    lo, hi = t * hop, t * hop + hop - 1
+    lo, hi = conv(lo, hi, CONV_KERNEL)  # conv2
+    for s in reversed(strides):
+        for d in reversed(RESIDUAL_DILATIONS):
+            branch = conv(*conv(lo, hi, 1), CONV_KERNEL, d)
+            lo, hi = min(lo, branch[0]), max(hi, branch[1])
+        lo, hi = transposed(lo, hi, s)
+    lo, hi = conv(lo, hi, CONV_KERNEL)  # conv1
+    return t - lo, hi - t
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int  # first frame decoded
+    stop: int  # one past the last frame decoded
+    emit_from: int  # frames [emit_from, emit_to) are this window's audio
+    emit_to: int
+
+    def trim(self, audio):
+        """The emitted frames' samples of the window's decoded audio [samples]."""
+        return audio[(self.emit_from - self.start) * SAMPLES_PER_FRAME:(self.emit_to - self.start) * SAMPLES_PER_FRAME]
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    left: int
+    right: int
+    first: int = 8
+    chunk: int = 25
+    first_right: int | None = None  # None: `right` (exact); smaller: earlier first audio, not exact
+
+    def __post_init__(self):
+        if min(self.first, self.chunk) < 1 or min(self.left, self.right) < 0:
+            raise HiggsError(f"stream sizes must be positive (first {self.first}, chunk {self.chunk}) and context "
+                             f"non-negative (left {self.left}, right {self.right})")
+        if self.first_right is not None and not 0 <= self.first_right <= self.right:
+            raise HiggsError(f"first-chunk holdback {self.first_right} must lie in 0..{self.right}")
+        widest = self.left + max(self.first, self.chunk) + self.right
+        if widest > CODEC_MAX_FRAMES:
+            raise HiggsError(f"a codec window of {widest} frames (left {self.left} + chunk "
+                             f"{max(self.first, self.chunk)} + right {self.right}) exceeds {CODEC_MAX_FRAMES}")
+
+    @classmethod
+    def exact(cls, strides: tuple[int, ...], first: int = 8, chunk: int = 25) -> "StreamPlan":
+        left, right = receptive_field(strides)
+        return cls(left, right, first, chunk)
+
+    def next_window(self, emitted: int, ready: int, final: bool) -> Window | None:
+        """The next window once `ready` frames are fixed (`final`: no more will come), or None if not yet."""
+        size = self.first if emitted == 0 else self.chunk
+        holdback = self.first_right if emitted == 0 and self.first_right is not None else self.right
+        if final:
+            size = min(size, ready - emitted)
+            if size <= 0:
+                return None
+        elif ready < emitted + size + holdback:
+            return None
+        return Window(max(0, emitted - self.left), min(ready, emitted + size + holdback), emitted, emitted + size)

@@ -1,0 +1,77 @@
+"""In-flight batching on the ONNX Runtime engine (tiny, CPU): a request decodes the same alone or joining a batch
+mid-flight, cancellation frees its slot within a step, the admission queue is bounded, audio streams in order."""
+
+import numpy as np
+import pytest
+
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.generate import generate
+from higgs_trt.runtime.manifest import EngineDir
+from higgs_trt.runtime.ort_backend import OrtBackend
+from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+from higgs_trt.runtime.scheduler import QueueFull, Scheduler, request_for
+from higgs_trt.runtime.stepper import HostStepper
+
+TEXTS = ["Hello there, how are you?", "She sells sea shells.", "Numbers: one, two, three.", "Wait, what? No way!"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    return HostStepper(OrtBackend(EngineDir(tiny_engine)))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_engine):
+    tok = HiggsTokenizer(tiny_engine / "tokenizer.json")
+    return [build_prompt(tok, t) for t in TEXTS]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, top_k=50, top_p=0.9, seed=11)])
+def test_a_request_decodes_the_same_alone_and_joining_mid_flight(engine, prompts, sampling):
+    alone = Scheduler(engine)
+    solo = alone.submit(request_for(engine, prompts[0], sampling, hard_cap=60))
+    alone.run()
+
+    busy = Scheduler(engine)
+    others = [busy.submit(request_for(engine, p, Sampling(1.0, seed=i), hard_cap=60)) for i, p in enumerate(prompts[1:])]
+    for _ in range(5):
+        busy.step()
+    joined = busy.submit(request_for(engine, prompts[0], sampling, hard_cap=60))
+    busy.run()
+    assert busy.slots.count(None) == engine.max_batch  # every slot free at the end
+    assert np.array_equal(np.stack(solo.utterance.rows), np.stack(joined.utterance.rows))
+    assert np.array_equal(solo.audio(), joined.audio()) and len(solo.audio()) > 0
+    assert all(r.finished and not r.cancelled for r in others)
+
+
+def test_cancellation_frees_the_slot_within_one_step(engine, prompts):
+    scheduler = Scheduler(engine)
+    victim = scheduler.submit(request_for(engine, prompts[1], Sampling(), hard_cap=200))
+    scheduler.step()
+    assert scheduler.busy == 1
+    scheduler.cancel(victim)
+    scheduler.step()
+    assert scheduler.busy == 0 and victim.finished and victim.stop_reason == "cancelled"
+    queued = Scheduler(engine)
+    waiting = queued.submit(request_for(engine, prompts[2], Sampling()))
+    queued.cancel(waiting)  # cancelled before it ever had a slot
+    assert not queued.step() and waiting.finished
+
+
+def test_the_admission_queue_is_bounded(engine, prompts):
+    scheduler = Scheduler(engine, max_queue=2)
+    for _ in range(2):
+        scheduler.submit(request_for(engine, prompts[0], Sampling()))
+    with pytest.raises(QueueFull, match="queue is full"):
+        scheduler.submit(request_for(engine, prompts[0], Sampling()))
+
+
+def test_streamed_chunks_arrive_in_order_and_make_the_whole(engine, prompts):
+    chunks = []
+    scheduler = Scheduler(engine)
+    request = scheduler.submit(request_for(engine, prompts[3], Sampling(), hard_cap=90, on_chunk=chunks.append))
+    scheduler.run()
+    whole = generate(engine, [prompts[3]], Sampling(), hard_cap=90)[0]
+    assert len(chunks) > 1 and np.array_equal(np.concatenate(chunks), whole.audio)
+    assert len(chunks[0]) == 8 * 960  # the first chunk is 8 frames
+    assert request.first_audio_at is not None and request.finished_at >= request.first_audio_at

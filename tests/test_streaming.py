@@ -1,0 +1,84 @@
+"""Streaming codec windows: the receptive field derived from the geometry is the real one, and streamed audio equals
+the one-shot decode (fp32, CPU) exactly when the windows carry that much context — and not with one frame less."""
+
+import numpy as np
+import pytest
+import torch
+
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.builder.codec import CodecDecoder
+from higgs_trt.runtime.decoding import EOC, Utterance, apply_delay
+from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.streaming import CODEC_MAX_FRAMES, StreamPlan, receptive_field
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_ckpt):
+    return CodecDecoder.from_checkpoint(Checkpoint(tiny_ckpt)).double()
+
+
+def decode(codec, frames: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return codec(torch.from_numpy(frames.T[None].astype(np.int64))).numpy()[0, 0]
+
+
+def streamed(codec, frames: np.ndarray, plan: StreamPlan) -> np.ndarray:
+    """Frames arrive one at a time; every window due is decoded at once, at its own length; then the final ones."""
+    out, emitted = [], 0
+    for ready in range(1, len(frames) + 1):
+        while window := plan.next_window(emitted, ready, final=ready == len(frames)):
+            out.append(window.trim(decode(codec, frames[window.start:window.stop])))
+            emitted = window.emit_to
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def test_the_receptive_field_from_the_geometry_is_the_real_one(codec):
+    """Change one latent frame: exactly the samples of frames within (left, right) of it change."""
+    left, right = receptive_field(codec.dims.strides)
+    assert (left, right) == (10, 10)  # Higgs' strides (8, 5, 4, 2, 3); the tiny codec shares them
+    frames = np.random.default_rng(0).integers(0, 1024, size=(60, 8))
+    base = decode(codec, frames)
+    changed = frames.copy()
+    changed[30] = (changed[30] + 512) % 1024
+    diff = np.flatnonzero(np.abs(decode(codec, changed) - base) > 1e-12)
+    hop = 960
+    assert diff.min() // hop == 30 - right and diff.max() // hop == 30 + left
+
+
+@pytest.mark.parametrize("length", [5, 8, 33, 61, 100])
+def test_streamed_equals_one_shot(codec, length):
+    frames = np.random.default_rng(length).integers(0, 1024, size=(length, 8))
+    plan = StreamPlan.exact(codec.dims.strides)
+    got, want = streamed(codec, frames, plan), decode(codec, frames)
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("short", ["left", "right"])
+def test_one_frame_less_context_is_not_exact(codec, short):
+    """The test has teeth: the seams of a plan one frame short of the receptive field differ from the one-shot."""
+    left, right = receptive_field(codec.dims.strides)
+    plan = StreamPlan(left - (short == "left"), right - (short == "right"))
+    frames = np.random.default_rng(7).integers(0, 1024, size=(61, 8))
+    assert np.abs(streamed(codec, frames, plan) - decode(codec, frames)).max() > 1e-5
+
+
+def test_an_utterance_ending_by_eoc_in_its_first_rows_streams_what_it_has(codec):
+    u = Utterance(max_rows=100)
+    rows = apply_delay(np.random.default_rng(3).integers(0, 1024, size=(3, 8)).astype(np.int32))
+    rows[3, 0] = EOC  # EOC on codebook 0 at row 3: three frames
+    for row in np.concatenate([rows, np.full((8, 8), EOC, np.int32)]):
+        if not u.done:
+            u.push(row)
+    assert u.done and u.stop_reason == "eoc" and u.ready() == 3
+    got = streamed(codec, u.frames(), StreamPlan.exact(codec.dims.strides))
+    assert np.abs(got - decode(codec, u.frames())).max() < 1e-5 and len(got) == 3 * 960
+
+
+def test_plan_bounds_are_refused():
+    with pytest.raises(HiggsError, match="positive"):
+        StreamPlan(10, 10, first=0)
+    with pytest.raises(HiggsError, match="exceeds"):
+        StreamPlan(60, 60, chunk=25)
+    with pytest.raises(HiggsError, match="holdback"):
+        StreamPlan(10, 10, first_right=11)
+    assert StreamPlan(10, 10, chunk=CODEC_MAX_FRAMES - 20).chunk == CODEC_MAX_FRAMES - 20
