@@ -57,8 +57,8 @@ def gpu_problem() -> str | None:
     """Why CUDA cannot be used here (None when it can). An old driver is named as such, not as a missing GPU."""
     try:
         _rt()
-    except HiggsError as e:
-        return str(e)
+    except HiggsError:
+        return "cuda-python is not installed: pip install 'higgs-trt[trt]'"
     driver = driver_version()
     if driver == 0:
         return "no NVIDIA driver is installed (or it cannot be loaded)"

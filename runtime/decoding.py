@@ -19,6 +19,7 @@ REPEAT_GUARD_ROWS = 32  # this many identical rows in a row end the utterance
 HARD_CAP_ROWS = 2048  # ≈ 82 s of audio whatever the text
 FRAMES_PER_SECOND = 25
 SAMPLES_PER_FRAME = 960  # 24 kHz / 25 fps
+CODEC_MAX_FRAMES = 128  # frames per codec call: audio is decoded in streaming windows of at most this many
 
 
 # ---- delay pattern --------------------------------------------------------------------------------------------
