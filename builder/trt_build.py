@@ -103,11 +103,7 @@ def build_plan(trt, onnx_path: Path, profiles: dict, target: str | None, lean: b
 
 def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str | None, lean: bool, say) -> dict:
     """Build lm and codec plans into `engine_dir`; returns the manifest's `engines` and `build` sections."""
-    trt = trt_shim.load("rtx" if target else "tensorrt")
-    if not target:
-        problem = trt_shim.version_problem(trt) or cuda.gpu_problem()
-        if problem:
-            raise HiggsError(f"cannot build for the local GPU: {problem}")
+    trt = trt_shim.load("rtx") if target else datacenter_tensorrt()
     limits = manifest["limits"]
     engines = {}
     plugins = manifest["ops"] == "plugin"
@@ -151,6 +147,15 @@ def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str |
     return {"engines": engines, "build": build}
 
 
+def datacenter_tensorrt():
+    """The `tensorrt` module, if it and the local GPU can build our plans (else one HiggsError line)."""
+    trt = trt_shim.load("tensorrt")
+    problem = trt_shim.version_problem(trt) or cuda.gpu_problem()
+    if problem:
+        raise HiggsError(f"cannot build for the local GPU: {problem}")
+    return trt
+
+
 def _without_plugin_functions(path: Path) -> Path:
     """A copy of the graph without the plugin nodes' reference bodies, beside it (its external data resolves)."""
     import onnx
@@ -173,6 +178,8 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
 
     if target:
         trt_shim.check_target(target)  # before a long export
+    else:
+        datacenter_tensorrt()
     if lean and target:
         raise HiggsError("--lean makes plans for tensorrt_lean, which TensorRT-RTX plans cannot use; drop --target")
     fingerprint = Checkpoint(checkpoint).fingerprint()

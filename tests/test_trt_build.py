@@ -127,6 +127,15 @@ def test_plugin_path_builds_with_plugin_layers(tiny_ckpt, tiny_plugin_engine, tm
         TrtBackend(EngineDir(out))
 
 
+def test_a_local_gpu_build_here_is_one_error_line_before_any_export(tiny_ckpt, tmp_path):
+    for ops in ("native", "plugin"):
+        r = CliRunner().invoke(main, ["build", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / ops),
+                                      "--ops", ops])
+        assert r.exit_code == 1 and r.stderr.startswith("Error: TensorRT (tensorrt) is not usable here")
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.output + r.stderr
+        assert not (tmp_path / ops).exists()
+
+
 def test_datacenter_tensorrt_older_than_10_15_is_named():
     from types import SimpleNamespace
 
