@@ -132,7 +132,7 @@ class TrtBackend:
         self.aliased = all(reported)
         if not self.aliased:
             cache = next(t for t in self.lm_io["inputs"] if t["name"] in self.caches)
-            per_slot = len(self.caches) * int(np.prod(cache["shape"][1:])) * NUMPY[cache["dtype"]]().itemsize
+            per_slot = len(self.caches) * int(np.prod(cache["shape"][1:])) * np.dtype(NUMPY[cache["dtype"]]).itemsize
             print(f"warning: lm.plan does not alias present_* to past_* (plugin I/O): the KV caches ping-pong "
                   f"between two buffers ({per_slot / 2**20:.0f} MiB more per sequence) and TensorRT may copy each "
                   "whole cache every step", file=sys.stderr)

@@ -211,5 +211,5 @@ NAMES = ["DataType", "TensorFormat", "DimensionOperation", "PluginFieldType", "P
          "TensorRTPhase", "QuickPluginCreationRequest", "float32", "int32", "int64", "bfloat16", "Logger", "Dims",
          "DimsExprs", "PluginField", "PluginFieldCollection", "PluginTensorDesc", "DynamicPluginTensorDesc",
          "KernelLaunchParams", "ISymExprs", "ITensor", "IPluginV3", "IPluginV3QuickCore", "IPluginV3QuickBuild",
-         "IPluginV3QuickRuntime", "IPluginV3QuickAOTBuild", "IPluginCapability", "IPluginCreatorV3Quick", "ISymExpr", "IDimensionExpr",
-         "IExprBuilder", "IPluginRegistry", "get_plugin_registry"]  # what the stand-in claims of the real module
+         "IPluginV3QuickRuntime", "IPluginV3QuickAOTBuild", "IPluginCapability", "IPluginCreatorV3Quick", "ISymExpr",
+         "IDimensionExpr", "IExprBuilder", "IPluginRegistry", "get_plugin_registry"]  # what the stand-in claims of the real module
