@@ -83,6 +83,37 @@ def _zero_caches(engine: EngineDir) -> dict[str, np.ndarray]:
             for t in engine.graph("lm_ref")["inputs"] if t["name"].startswith("past_")}
 
 
+def check_cache_binding(engine, context, caches: list[str]) -> None:
+    """Every `present_*` the plan reports as an alias of its `past_*` (TensorRT's KV-cache layer) must be bound at
+    that input's address: "the user must ensure that the cache tensor and the corresponding output tensor share the
+    same device memory address" (NvInfer.h, addKVCacheUpdate). Outputs the plan does not report (plugin I/O) are
+    ordinary outputs with their own buffer, as in the runtime's ping-pong."""
+    for name in caches:
+        present = name.replace("past_", "present_")
+        if engine.get_aliased_input_tensor(present) == name and \
+                context.get_tensor_address(present) != context.get_tensor_address(name):
+            raise HiggsError(f"the TensorRT runner bound {present} apart from {name}, which the plan aliases; "
+                             "Polygraphy 0.53.4+ binds them together: pip install -U polygraphy")
+
+
+def cache_bound_trt_runner():
+    """Polygraphy's TrtRunner, checking the KV-cache binding after every inference.
+
+    Polygraphy ≥ 0.53.4 (backend/trt/runner.py, `_infer_impl`) binds each output that the engine reports through
+    get_aliased_input_tensor at its input's address and returns that buffer as the output; every other output gets
+    a buffer from its output allocator. So the plan's in-place caches are read and written at one address, and
+    `present_*` comes back holding the updated cache. This subclass only makes that checked, not assumed."""
+    from polygraphy.backend.trt import TrtRunner
+
+    class CacheBoundTrtRunner(TrtRunner):
+        def _infer_impl(self, feed_dict, copy_outputs_to_host, return_raw_buffers):
+            out = super()._infer_impl(feed_dict, copy_outputs_to_host, return_raw_buffers)
+            check_cache_binding(self.engine, self.context, [n for n in feed_dict if n.startswith("past_")])
+            return out
+
+    return CacheBoundTrtRunner
+
+
 class TrtPlanRunner(_runner_base()):
     """lm.plan through Polygraphy's TrtRunner (prefill profile, which also takes S = 1), caches fed as bf16."""
 
@@ -91,9 +122,9 @@ class TrtPlanRunner(_runner_base()):
         self.plan = plan
 
     def activate_impl(self):
-        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+        from polygraphy.backend.trt import EngineFromBytes
 
-        self.inner = TrtRunner(EngineFromBytes(self.plan.read_bytes()), optimization_profile=0)
+        self.inner = cache_bound_trt_runner()(EngineFromBytes(self.plan.read_bytes()), optimization_profile=0)
         self.inner.activate()
 
     def get_input_metadata_impl(self):

@@ -279,7 +279,7 @@ def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
     from higgs_trt.runtime import extras
 
     with extras.needed("gpu", "--ops plugin (compiling its Triton kernels to PTX)"):
-        from higgs_trt.plugins.aot import TARGET, compile_kernel, constants_for
+        from higgs_trt.plugins.aot import compile_kernel, constants_for
     cfg, plugins = ckpt.config, {}
     for op in ("rope_kv_write", "delayed_codebook_step"):
         kernel = compile_kernel(op, constants_for(op, cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
@@ -287,8 +287,9 @@ def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
         (staging / f"{op}.ptx").write_text(kernel.ptx)
         plugins[op] = {"file": f"{op}.ptx", "namespace": "higgs", "version": "1", "entry": kernel.entry,
                        "threads": kernel.threads, "shared": kernel.shared, "constants": kernel.constants,
-                       "target": f"sm_{TARGET[1]}", "ptx_sha256": kernel.sha256}
-        say(f"  {op}.ptx: {len(kernel.ptx)} bytes for sm_{TARGET[1]} (sha256 {kernel.sha256[:12]}…)")
+                       "target": kernel.target, "ptx_version": kernel.ptx_version, "ptx_sha256": kernel.sha256}
+        say(f"  {op}.ptx: {len(kernel.ptx)} bytes, {kernel.target}, PTX ISA {kernel.ptx_version} "
+            f"(sha256 {kernel.sha256[:12]}…)")
     return plugins
 
 

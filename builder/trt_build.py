@@ -4,7 +4,8 @@
   step (S = 1). One engine rather than two: the weights (8 GB in bf16 for Higgs v3) are held once on the GPU,
   and one execution context switches profiles, as TensorRT-Edge-LLM does. The KV caches are static
   [B, Hkv, S_max, D] inputs in both profiles (TensorRT's KV-cache layer needs a static S_max).
-- `codec.plan`: codes [B, 8, T] → waveform, T = 1..max_seq frames.
+- `codec.plan`: codes [B, 8, T] → waveform, B = 1..max_batch windows of T = 1..CODEC_MAX_FRAMES frames (the
+  runtime decodes audio only in streaming windows; TensorRT sizes context memory for the profile's maximum).
 
 Networks are strongly typed (precision comes from the ONNX tensor types and explicit Q/DQ; TensorRT 11 has no
 precision flags). `target` builds with TensorRT-RTX for that compute capability (works without a GPU);
@@ -17,7 +18,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_trt.runtime import trt_shim
+from higgs_trt.runtime import cuda, trt_shim
+from higgs_trt.runtime.decoding import CODEC_MAX_FRAMES
 from higgs_trt.runtime.errors import HiggsError
 
 WORKSPACE = 4 << 30
@@ -30,6 +32,7 @@ class Plan:
     data: bytes
     layers: Counter  # layer type name → count in the parsed network
     seconds: float
+    errors: list  # ERROR lines TensorRT logged although it returned a plan
 
 
 def _concrete(shape: list, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -49,8 +52,12 @@ def lm_ranges(limits: dict) -> dict:
             "decode": {"batch": (1, 1, b), "seq": (1, 1, 1)}}
 
 
+CODEC_OPT_FRAMES = 45  # a streaming window: 10 frames of left context + 25 new + 10 held back
+
+
 def codec_ranges(limits: dict) -> dict:
-    return {"decode": {"batch": (1, 1, limits["max_batch"]), "frames": (1, min(33, limits["max_seq"]), limits["max_seq"])}}
+    return {"decode": {"batch": (1, 1, limits["max_batch"]),
+                       "frames": (1, min(CODEC_OPT_FRAMES, CODEC_MAX_FRAMES), CODEC_MAX_FRAMES)}}
 
 
 def build_plan(trt, onnx_path: Path, profiles: dict, target: str | None, lean: bool, timing_cache: Path | None,
@@ -85,23 +92,29 @@ def build_plan(trt, onnx_path: Path, profiles: dict, target: str | None, lean: b
     t0 = time.perf_counter()
     data = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - t0
-    if data is None or logger.errors:
+    # The plan decides, as in trtexec (samples/common/sampleEngines.cpp) and Polygraphy (backend/trt/loader.py):
+    # None is a failure; ERROR lines logged beside a plan (TensorRT-RTX logs CUDA errors without a GPU) are reported.
+    if data is None:
         raise HiggsError(f"TensorRT could not build {onnx_path.name}: {'; '.join(logger.errors) or 'no engine'}")
     if timing_cache:
         timing_cache.write_bytes(memoryview(config.get_timing_cache().serialize()))
-    return Plan(bytes(memoryview(data)), layers, seconds)
+    return Plan(bytes(memoryview(data)), layers, seconds, list(logger.errors))
 
 
 def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str | None, lean: bool, say) -> dict:
     """Build lm and codec plans into `engine_dir`; returns the manifest's `engines` and `build` sections."""
-    trt = trt_shim.load("rtx" if target else "tensorrt")
+    trt = trt_shim.load("rtx") if target else datacenter_tensorrt()
     limits = manifest["limits"]
     engines = {}
     plugins = manifest["ops"] == "plugin"
     if plugins:  # keep the registered creators alive until the builds are done
         from higgs_trt.plugins import qdp, rtx_build
 
-        registered = rtx_build.register(trt) if target else qdp.register(engine_dir, manifest)
+        if target:
+            registered = rtx_build.register(trt)
+        else:
+            qdp.check_ptx(manifest, cuda.capability(), cuda.driver_version())
+            registered = qdp.register(engine_dir, manifest)
     for key, graph, ranges in (("lm", lm_graph, lm_ranges(limits)), ("codec", "codec", codec_ranges(limits))):
         io = manifest["graphs"][graph]
         profiles = profiles_for(io, ranges)
@@ -123,12 +136,24 @@ def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str |
         engines[key] = {"file": PLANS[key], "graph": graph, "profiles": profiles, "layers": dict(plan.layers),
                         "build_seconds": round(plan.seconds, 2)}
         say(f"  {PLANS[key]}: {len(plan.data) / 2**20:.1f} MiB in {plan.seconds:.1f} s")
+        if plan.errors:
+            say(f"  TensorRT logged {len(plan.errors)} error(s) while building {PLANS[key]} and returned a plan: "
+                f"{'; '.join(dict.fromkeys(plan.errors))[:500]}")
     build = {"builder": "tensorrt-rtx" if target else "tensorrt", "version": trt.__version__,
              "target": target or "local-gpu", "lean": lean}
     if plugins:
         build["plugins"] = "build-only twins (plugins/rtx_build.py): do not run" if target else "QDP AOT (PTX in the plan)"
         del registered
     return {"engines": engines, "build": build}
+
+
+def datacenter_tensorrt():
+    """The `tensorrt` module, if it and the local GPU can build our plans (else one HiggsError line)."""
+    trt = trt_shim.load("tensorrt")
+    problem = trt_shim.version_problem(trt) or cuda.gpu_problem()
+    if problem:
+        raise HiggsError(f"cannot build for the local GPU: {problem}")
+    return trt
 
 
 def _without_plugin_functions(path: Path) -> Path:
@@ -153,6 +178,8 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
 
     if target:
         trt_shim.check_target(target)  # before a long export
+    else:
+        datacenter_tensorrt()
     if lean and target:
         raise HiggsError("--lean makes plans for tensorrt_lean, which TensorRT-RTX plans cannot use; drop --target")
     fingerprint = Checkpoint(checkpoint).fingerprint()

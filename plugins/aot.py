@@ -4,6 +4,13 @@ Triton compiles for a named GPU target without needing one (checked on CPU-only 
 directory beside the graphs; TensorRT's AOT plugins embed it in the plan, and the GPU tests launch the very same
 PTX through the CUDA driver with TensorRT's argument order.
 
+Target: plain sm_80, PTX ISA 8.0. Triton names every capability ≥ 9.0 arch-specifically (sm_90a: Hopper only, see
+`sm_arch_from_capability` in triton/backends/nvidia/compiler.py) and, unless told, stamps the ISA of the ptxas it
+bundles (Triton 3.9: 9.4 for sm_90, which a CUDA 13.0 / R580 driver cannot JIT-compile). PTX for sm_80 / ISA 8.0
+is JIT-compiled by any driver since CUDA 12.0 for every GPU from Ampere on, so one export serves whatever GPU the
+plan is built on; the build checks the GPU and driver against the PTX (plugins/qdp.py `check_ptx`). The kernels
+use no Hopper-only instruction (no MMA, no TMA), so the code generated for sm_80 is what Hopper needs too.
+
 Triton ≥ 3.3 appends two scratch-buffer pointers to every kernel's parameters. TensorRT passes only the
 plugin's inputs, scalars and outputs, so the two are removed from the PTX entry, after checking that the kernel
 never reads them (no global or profile scratch was allocated).
@@ -18,7 +25,8 @@ from triton.backends.compiler import GPUTarget
 
 from . import kernels
 
-TARGET = ("cuda", 90, 32)  # Hopper (H100/H200), the datacenter TensorRT target
+TARGET = ("cuda", 80, 32)  # compute capability 8.0: PTX `.target sm_80`, JIT-compiled for any later GPU
+PTX_VERSION = 80  # PTX ISA 8.0 (CUDA 12.0)
 SIGNATURES = {
     "rope_kv_write": ({"q": "*bf16", "k": "*bf16", "v": "*bf16", "cos": "*bf16", "sin": "*bf16", "write_pos": "*i64",
                        "k_cache_in": "*bf16", "v_cache_in": "*bf16", "seq": "i32", "max_seq": "i32",
@@ -53,6 +61,14 @@ class CompiledKernel:
     def sha256(self) -> str:
         return hashlib.sha256(self.ptx.encode()).hexdigest()
 
+    @property
+    def target(self) -> str:
+        return re.search(r"^\.target\s+(\w+)", self.ptx, re.M).group(1)
+
+    @property
+    def ptx_version(self) -> str:
+        return re.search(r"^\.version\s+(\d+\.\d+)", self.ptx, re.M).group(1)
+
 
 def constants_for(op: str, head_dim: int, hidden: int, q_heads: int, kv_heads: int, vocab: int = 1026,
                   codebooks: int = 8) -> dict:
@@ -64,7 +80,8 @@ def constants_for(op: str, head_dim: int, hidden: int, q_heads: int, kv_heads: i
 
 def compile_kernel(op: str, constants: dict, target=TARGET) -> CompiledKernel:
     source = triton.compiler.ASTSource(fn=getattr(kernels, op), signature=SIGNATURES[op], constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget(*target), options={"num_warps": NUM_WARPS[op]})
+    compiled = triton.compile(source, target=GPUTarget(*target),
+                              options={"num_warps": NUM_WARPS[op], "ptx_version": PTX_VERSION})
     meta = compiled.metadata
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
         raise RuntimeError(f"{op}: kernel needs scratch memory, which a TensorRT plugin launch cannot provide")

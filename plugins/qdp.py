@@ -5,30 +5,51 @@ TensorRT, which embeds it in the plan, so a plan loads and runs with no Python p
 (positions, row index, end frame) are device tensors; the only scalars are shape expressions (SymInt32). The
 caches are aliased outputs, updated in place (needs PreviewFeature.ALIASED_PLUGIN_IO_10_03 at build time).
 
-Not run here: `tensorrt.plugin` needs the full TensorRT library, which cannot be installed on this project's
-machines. The same PTX is launched with TensorRT's argument order by the GPU tests (tests/test_plugin_kernels.py).
+What runs here: tests/test_qdp.py feeds these definitions to NVIDIA's own `tensorrt.plugin` Python code (from the
+`tensorrt-cu13-bindings` wheels) over a stand-in for its native module, and walks the calls TensorRT's builder
+makes (create_plugin in STRICT_AOT, output types and shapes, aliases, launch parameters, kernel lookup). What does
+not: TensorRT itself (it cannot be installed here). The same PTX is launched with TensorRT's argument order by the
+GPU tests (tests/test_plugin_kernels.py).
+
+No `from __future__ import annotations` here: `tensorrt.plugin` validates the annotations as objects.
 """
 
 from pathlib import Path
 from typing import Tuple
+
+from higgs_trt.runtime import cuda
+from higgs_trt.runtime.errors import HiggsError
 
 _KERNELS: dict = {}  # op → (ptx, manifest entry) of the engine directory being built
 _REGISTERED = False
 
 
 def register(engine_dir: Path, manifest: dict) -> list:
+    """Define both plugins in `tensorrt.plugin` (once per process) with this engine directory's PTX."""
     global _REGISTERED
     for op, info in manifest["plugins"].items():
         _KERNELS[op] = ((Path(engine_dir) / info["file"]).read_text(), info)
     if not _REGISTERED:
-        _define()
+        try:
+            import tensorrt as trt
+            import tensorrt.plugin as trtp
+        except Exception as e:  # ImportError, or the native library failing to load
+            raise HiggsError(f"--ops plugin needs NVIDIA's tensorrt.plugin (the `tensorrt` package, 10.15+): "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        _define(trt, trtp)
         _REGISTERED = True
     return []
 
 
-def _define() -> None:
-    import tensorrt.plugin as trtp
+def check_ptx(manifest: dict, capability: tuple[int, int], driver: int) -> None:
+    """Refuse a build whose plugin PTX this GPU (compute capability) or driver (CUDA version) cannot JIT-compile."""
+    for op, info in manifest["plugins"].items():
+        problem = cuda.ptx_problem(info.get("target", "?"), info.get("ptx_version", "?"), capability, driver)
+        if problem:
+            raise HiggsError(f"plugin {op}: {problem}; re-export the engine directory (`higgs-trt build`)")
 
+
+def _define(trt, trtp) -> None:
     @trtp.register("higgs::rope_kv_write")
     def rope_kv_write(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, cos: trtp.TensorDesc,
                       sin: trtp.TensorDesc, write_pos: trtp.TensorDesc, k_cache: trtp.TensorDesc,
@@ -38,7 +59,8 @@ def _define() -> None:
     @trtp.aot_impl("higgs::rope_kv_write")
     def rope_kv_write_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, cos: trtp.TensorDesc,
                           sin: trtp.TensorDesc, write_pos: trtp.TensorDesc, k_cache: trtp.TensorDesc,
-                          v_cache: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int):
+                          v_cache: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int
+                          ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
         ptx, info = _KERNELS["rope_kv_write"]
         launch = _launch(trtp, info)
         launch.grid_x = q.shape_expr[0] * q.shape_expr[2]  # batch · new positions
@@ -48,13 +70,14 @@ def _define() -> None:
     @trtp.register("higgs::delayed_codebook_step")
     def delayed_codebook_step(logits: trtp.TensorDesc, row_index: trtp.TensorDesc, end_frame: trtp.TensorDesc,
                               table: trtp.TensorDesc) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
-        codes = trtp.from_shape_expr((logits.shape_expr[0], logits.shape_expr[1]), dtype=trtp.int32)
+        codes = trtp.from_shape_expr((logits.shape_expr[0], logits.shape_expr[1]), dtype=trt.int32)
         embedding = trtp.from_shape_expr((logits.shape_expr[0], table.shape_expr[1]), dtype=table.dtype)
         return codes, embedding
 
     @trtp.aot_impl("higgs::delayed_codebook_step")
     def delayed_codebook_step_aot(logits: trtp.TensorDesc, row_index: trtp.TensorDesc, end_frame: trtp.TensorDesc,
-                                  table: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int):
+                                  table: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int
+                                  ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
         ptx, info = _KERNELS["delayed_codebook_step"]
         launch = _launch(trtp, info)
         launch.grid_x = logits.shape_expr[0]  # batch rows × slices of the hidden size

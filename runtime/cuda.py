@@ -33,6 +33,76 @@ def device_count() -> int:
         return 0
 
 
+# The cu13 TensorRT and cuda-python wheels need a driver that runs CUDA 13.0: R580 or newer.
+MIN_DRIVER_CUDA = 13000
+
+
+def driver_version() -> int:
+    """The CUDA version the installed driver supports, as 1000·major + 10·minor (0: no driver or no cuda-python)."""
+    try:
+        err, version = _rt().cudaDriverGetVersion()
+        return version if int(err) == 0 else 0
+    except HiggsError:
+        return 0
+
+
+def capability(device: int = 0) -> tuple[int, int]:
+    rt = _rt()
+    major = check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute")
+    minor = check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute")
+    return int(major), int(minor)
+
+
+def gpu_problem() -> str | None:
+    """Why CUDA cannot be used here (None when it can). An old driver is named as such, not as a missing GPU."""
+    try:
+        _rt()
+    except HiggsError:
+        return "cuda-python is not installed: pip install 'higgs-trt[trt]'"
+    driver = driver_version()
+    if driver == 0:
+        return "no NVIDIA driver is installed (or it cannot be loaded)"
+    if driver < MIN_DRIVER_CUDA:
+        return (f"the NVIDIA driver supports CUDA {driver // 1000}.{driver % 1000 // 10}; the cu13 TensorRT and "
+                "cuda-python wheels need CUDA 13.0, i.e. driver R580 or newer: update the driver")
+    if device_count() == 0:
+        return "no NVIDIA GPU is visible to CUDA"
+    return None
+
+
+def ptx_isa_cuda(isa: str) -> int:
+    """The first CUDA version (its driver) that JIT-compiles PTX of this ISA version (PTX ISA release history:
+    7.x = CUDA 11.x, 8.0-8.5 = 12.0-12.5, 8.6 = 12.7, 8.7 = 12.8, 8.8 = 12.9, 9.x = 13.x)."""
+    major, minor = (int(x) for x in isa.split("."))
+    if major == 7:
+        return 11000 + 10 * minor
+    if major == 8:
+        return 12000 + 10 * (minor if minor <= 5 else minor + 1)
+    if major == 9:
+        return 13000 + 10 * minor
+    raise ValueError(isa)
+
+
+def ptx_problem(target: str, isa: str, capability: tuple[int, int], driver: int) -> str | None:
+    """Why PTX of `.target` `target` and `.version` `isa` cannot be JIT-compiled for this GPU and driver, or None.
+    Plain targets (sm_80) run on that compute capability and every later one; arch-specific ones (sm_90a) only on
+    their own."""
+    try:
+        specific = target.endswith("a")
+        want = int(target.removeprefix("sm_").removesuffix("a"))
+        need_cuda = ptx_isa_cuda(isa)
+    except ValueError:
+        return f"unknown PTX target {target!r} / version {isa!r}"
+    have = capability[0] * 10 + capability[1]
+    if (specific and have != want) or have < want:
+        return (f"its PTX targets {target}, which a GPU of compute capability {capability[0]}.{capability[1]} "
+                "cannot run")
+    if driver < need_cuda:
+        return (f"its PTX is ISA {isa}, which needs a driver for CUDA {need_cuda // 1000}.{need_cuda % 1000 // 10}+ "
+                f"(this one supports {driver // 1000}.{driver % 1000 // 10})")
+    return None
+
+
 class Stream:
     def __init__(self):
         rt = _rt()

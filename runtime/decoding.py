@@ -20,6 +20,7 @@ HARD_CAP_ROWS = 2048  # ≈ 82 s of audio whatever the text
 FRAMES_PER_SECOND = 25
 SAMPLES_PER_FRAME = 960  # 24 kHz / 25 fps
 NO_END = np.int64(1 << 40)  # end_frame while the utterance's end is unknown: never reached by row - k
+CODEC_MAX_FRAMES = 128  # frames per codec call: audio is decoded in streaming windows of at most this many
 
 
 # ---- delay pattern --------------------------------------------------------------------------------------------

@@ -20,10 +20,9 @@ decoded at its own length. `first_right` < right trades exactness of the first c
 
 from dataclasses import dataclass
 
-from .decoding import SAMPLES_PER_FRAME
+from .decoding import CODEC_MAX_FRAMES, SAMPLES_PER_FRAME
 from .errors import HiggsError
 
-CODEC_MAX_FRAMES = 128  # frames in one codec call (the codec plans' profile maximum)
 RESIDUAL_DILATIONS = (1, 3, 9)
 CONV_KERNEL = 7
 

@@ -2,20 +2,23 @@
 cuda-python on one non-default stream.
 
 Buffers are allocated once per batch size: device inputs sized for the longest prompt, pinned host staging
-for inputs and outputs, and one device buffer per KV cache bound to both its input (`past_*`) and its aliased
-output (`present_*`), so TensorRT's KV-cache layer updates it in place. A decode step is captured in a CUDA
-graph per batch size (host→device copies of the step inputs, the enqueue, device→host copies of logits and
-codes), replayed with one launch; when capture is refused the step falls back to a plain enqueue. The loop reads
-each row's codes on the host (its stopping rules need them), so a step ends with one stream synchronisation.
+for inputs and outputs, and the KV caches (`KvCaches`: one buffer per cache when the plan aliases `present_*` to
+`past_*`, two in ping-pong when it does not). A decode step is captured in a CUDA graph per batch size and cache
+side (host→device copies of the step inputs, the enqueue, device→host copies of logits and codes), replayed with
+one launch; when capture is refused the step falls back to a plain enqueue. The loop reads each row's codes on
+the host (its stopping rules need them), so a step ends with one stream synchronisation. The codec decodes
+windows of at most CODEC_MAX_FRAMES frames, up to max_batch of them at once.
 
 Not run on any machine available to this project: datacenter TensorRT cannot be installed here and
 TensorRT-RTX does not run on Hopper. See README, "Verified / not verified here".
 """
 
+import sys
+
 import numpy as np
 
 from . import cuda, trt_shim
-from .decoding import NUM_CODEBOOKS, SAMPLES_PER_FRAME
+from .decoding import CODEC_MAX_FRAMES, NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from .errors import HiggsError
 from .manifest import EngineDir
 
@@ -30,6 +33,71 @@ def flavour_for(build: dict, requested: str) -> str:
     return requested
 
 
+class KvCaches:
+    """The lm's KV caches, [slots, Hkv, S_max, D] each, and how they are bound on an execution context.
+
+    Aliased: the plan reports `present_*` as an alias of `past_*` (TensorRT's KV-cache layer does, and then needs
+    both at one address: NvInfer.h, addKVCacheUpdate). One buffer per cache, bound to both names, updated in place.
+    Not aliased: plugin plans. TensorRT reports no alias for plugin I/O (getAliasedInputTensor names operations such
+    as KVCacheUpdate; NvInferRuntime.h) and, for an aliased plugin input, "may insert copies"
+    (IPluginV3OneBuildV2::getAliasedInput), so `present_*` is an output like any other. Two buffers per cache:
+    `past_*` reads one, `present_*` is written to the other, and the slots a step wrote then live on that side
+    (ping-pong). Slots are tracked one by one, so steps over different slot ranges stay consistent.
+
+    A step binds a range of slots [first, first + count): addresses offset by `first` whole slots, batch `count`.
+    `alloc` and `copy` are the CUDA layer (runtime/cuda.py); tests pass recording stand-ins.
+    """
+
+    def __init__(self, names: list[str], shape: tuple, dtype, aliased: bool, alloc=None, copy=None):
+        alloc = alloc or cuda.DeviceArray
+        self.names, self.shape, self.aliased = list(names), tuple(shape), aliased
+        self.slot_bytes = int(np.prod(self.shape[1:])) * np.dtype(dtype).itemsize
+        self.buffers = {n: [alloc(self.shape, dtype) for _ in range(1 if aliased else 2)] for n in self.names}
+        self.side = np.zeros(self.shape[0], np.int64)  # per slot: the buffer that holds its cache
+        self.copy = copy or cuda.copy_async
+        self._bound = self._written = None
+
+    def zero(self, stream) -> None:
+        for sides in self.buffers.values():
+            for buffer in sides:
+                buffer.zero(stream)
+        self.side[:] = 0
+
+    def bind(self, ctx, stream, first: int = 0, count: int | None = None, force: bool = False) -> int:
+        """Bind `past_*` / `present_*` of slots [first, first + count) on `ctx` (skipped when nothing changed and
+        not `force`, e.g. after a profile switch). Returns the side read, which a captured CUDA graph depends on."""
+        count = self.shape[0] - first if count is None else count
+        if not (0 <= first and 0 < count and first + count <= self.shape[0]):
+            raise HiggsError(f"KV cache slots {first}..{first + count - 1} outside 0..{self.shape[0] - 1}")
+        read = int(self.side[first])
+        for slot in np.nonzero(self.side[first:first + count] != read)[0] + first:
+            self._move(int(slot), read, stream)  # a slot last written on the other side joins this range's side
+        write = read if self.aliased else 1 - read
+        key = (id(ctx), first, count, read)
+        if force or key != self._bound:
+            offset, shape = first * self.slot_bytes, (count, *self.shape[1:])
+            for name in self.names:
+                present = name.replace("past_", "present_")
+                ctx.set_tensor_address(name, self.buffers[name][read].ptr + offset)
+                ctx.set_tensor_address(present, self.buffers[name][write].ptr + offset)
+                if not ctx.set_input_shape(name, shape):
+                    raise HiggsError(f"lm.plan: cache {name} of shape {shape} is outside the active profile")
+            self._bound = key
+        self._written = (first, count, write)
+        return read
+
+    def advance(self) -> None:
+        """After the bound step ran: its slots' caches are where it wrote them."""
+        first, count, write = self._written
+        self.side[first:first + count] = write
+
+    def _move(self, slot: int, to: int, stream) -> None:
+        at = slot * self.slot_bytes
+        for sides in self.buffers.values():
+            self.copy(sides[to].ptr + at, sides[1 - to].ptr + at, self.slot_bytes, stream)
+        self.side[slot] = to
+
+
 class TrtBackend:
     name = "trt"
 
@@ -41,8 +109,9 @@ class TrtBackend:
             raise HiggsError(f"{engine.path}: its plugins are TensorRT-RTX build-only twins (a CI build check); "
                              "build with datacenter TensorRT to run --ops plugin engines")
         self.trt = trt = trt_shim.load(flavour_for(m["build"], flavour))
-        if cuda.device_count() == 0:
-            raise HiggsError("the TensorRT backend needs an NVIDIA GPU (none visible to CUDA)")
+        problem = cuda.gpu_problem()
+        if problem:
+            raise HiggsError(f"the TensorRT backend needs an NVIDIA GPU: {problem}")
         self.max_seq, self.max_batch = m["limits"]["max_seq"], m["limits"]["max_batch"]
         self.max_prompt = m["limits"]["max_prompt"]
         self.stream = cuda.Stream()
@@ -57,10 +126,16 @@ class TrtBackend:
         self.lm_context = self.lm_engine.create_execution_context()
         self.codec_context = self.codec_engine.create_execution_context()
         self.caches = [t["name"] for t in self.lm_io["inputs"] if t["name"].startswith("past_")]
-        for name in self.caches:
-            out = name.replace("past_", "present_")
-            if self.lm_engine.get_aliased_input_tensor(out) != name:
-                raise HiggsError(f"{engine.path}: {out} is not aliased to {name} in lm.plan; rebuild")
+        reported = [self.lm_engine.get_aliased_input_tensor(n.replace("past_", "present_")) == n for n in self.caches]
+        if any(reported) and not all(reported):
+            raise HiggsError(f"{engine.path}: lm.plan aliases only some present_* to their past_*; rebuild")
+        self.aliased = all(reported)
+        if not self.aliased:
+            cache = next(t for t in self.lm_io["inputs"] if t["name"] in self.caches)
+            per_slot = len(self.caches) * int(np.prod(cache["shape"][1:])) * np.dtype(NUMPY[cache["dtype"]]).itemsize
+            print(f"warning: lm.plan does not alias present_* to past_* (plugin I/O): the KV caches ping-pong "
+                  f"between two buffers ({per_slot / 2**20:.0f} MiB more per sequence) and TensorRT may copy each "
+                  "whole cache every step", file=sys.stderr)
         self.batch = None
         self._codec_buffers()
 
@@ -81,11 +156,10 @@ class TrtBackend:
     def start(self, batch: int) -> None:
         if batch != self.batch:
             self._lm_buffers(batch)
-        for buffer in self.cache_buffers.values():
-            buffer.zero(self.stream)
+        self.kv.zero(self.stream)
         self.profile = None
         self.shapes: dict[str, tuple] = {}
-        self.graph = None  # captured afresh for each utterance, after the prefill's profile switch
+        self.graphs = {}  # cache side → decode step graph, captured afresh for each utterance
 
     def _lm_buffers(self, batch: int) -> None:
         """Device inputs sized for the longest prompt, pinned staging, caches, outputs: once per batch size."""
@@ -98,8 +172,7 @@ class TrtBackend:
             self.inputs[t["name"]] = cuda.DeviceArray(shape, NUMPY[t["dtype"]])
             self.staging[t["name"]] = cuda.PinnedArray(shape, NUMPY[t["dtype"]])
         cache = next(t for t in self.lm_io["inputs"] if t["name"] in self.caches)
-        shape = (batch, *cache["shape"][1:])
-        self.cache_buffers = {n: cuda.DeviceArray(shape, NUMPY[cache["dtype"]]) for n in self.caches}
+        self.kv = KvCaches(self.caches, (batch, *cache["shape"][1:]), NUMPY[cache["dtype"]], self.aliased)
         self.outputs, self.results = {}, {}
         for t in self.lm_io["outputs"]:
             if t["name"].startswith("present_"):
@@ -110,26 +183,22 @@ class TrtBackend:
         self.graph_refused = False
         self.batch = batch
 
-    def _bind(self, profile: int, feeds: dict[str, np.ndarray]) -> None:
+    def _bind(self, profile: int, feeds: dict[str, np.ndarray]) -> int:
+        """Addresses and shapes for this step; returns the cache side read (the CUDA-graph key)."""
         ctx = self.lm_context
-        if profile != self.profile:
+        switched = profile != self.profile
+        if switched:
             if not ctx.set_optimization_profile_async(profile, self.stream.ptr):
                 raise HiggsError(f"lm.plan: cannot select optimization profile {profile}")
             self.profile, self.shapes = profile, {}
             for name, buffer in {**self.inputs, **self.outputs}.items():
                 ctx.set_tensor_address(name, buffer.ptr)
-            for name, buffer in self.cache_buffers.items():
-                ctx.set_tensor_address(name, buffer.ptr)
-                ctx.set_tensor_address(name.replace("past_", "present_"), buffer.ptr)  # aliased: updated in place
         for name, value in feeds.items():
             if self.shapes.get(name) != value.shape:
                 if not ctx.set_input_shape(name, value.shape):
                     raise HiggsError(f"lm.plan: input {name} of shape {value.shape} is outside profile {profile}")
                 self.shapes[name] = value.shape
-        for name, buffer in self.cache_buffers.items():
-            if name not in self.shapes:
-                ctx.set_input_shape(name, buffer.shape)
-                self.shapes[name] = buffer.shape
+        return self.kv.bind(ctx, self.stream, 0, self.batch, force=switched)
 
     def _enqueue_step(self, feeds: dict[str, np.ndarray]) -> bool:
         """Copies in, the engine, copies out: all async on our stream (capturable)."""
@@ -149,27 +218,30 @@ class TrtBackend:
         profile = self.decode_profile if decode else self.prefill_profile
         for name, value in feeds.items():  # staged in pinned memory, packed as the engine sees [B, S, ...]
             self.staging[name].array.reshape(-1)[: value.size] = value.reshape(-1)
-        self._bind(profile, feeds)
-        if decode and self.graph is not None:
-            self.graph.launch()
+        side = self._bind(profile, feeds)
+        if decode and side in self.graphs:
+            self.graphs[side].launch()
         elif not self._enqueue_step(feeds):
             raise HiggsError(f"lm.plan: enqueue failed ({'; '.join(self.logger.errors) or 'unknown error'})")
         elif decode and not self.graph_refused:
-            self._capture(feeds)  # after one plain enqueue at these shapes, as trtexec does
+            self._capture(side, feeds)  # after one plain enqueue at these shapes, as trtexec does
+        self.kv.advance()
         self.stream.synchronize()
         return self.results["logits"].array, self.results["codes"].array
 
-    def _capture(self, feeds: dict[str, np.ndarray]) -> None:
+    def _capture(self, side: int, feeds: dict[str, np.ndarray]) -> None:
+        """The graph freezes the addresses it saw: one per cache side (ping-pong alternates them)."""
         self.stream.synchronize()
         try:
-            self.graph = cuda.Graph(self.stream, lambda: self._enqueue_step(feeds))
+            self.graphs[side] = cuda.Graph(self.stream, lambda: self._enqueue_step(feeds))
         except HiggsError:
             self.graph_refused = True  # plain enqueue from now on
 
     # ---- codec ------------------------------------------------------------------------------------------------
 
     def _codec_buffers(self) -> None:
-        codes, samples = (self.max_batch, NUM_CODEBOOKS, self.max_seq), (self.max_batch, 1, SAMPLES_PER_FRAME * self.max_seq)
+        frames = CODEC_MAX_FRAMES
+        codes, samples = (self.max_batch, NUM_CODEBOOKS, frames), (self.max_batch, 1, SAMPLES_PER_FRAME * frames)
         self.codec_in, self.codec_in_host = cuda.DeviceArray(codes, np.int32), cuda.PinnedArray(codes, np.int32)
         self.codec_out, self.codec_out_host = cuda.DeviceArray(samples, np.float32), cuda.PinnedArray(samples, np.float32)
         out = self.codec_io["outputs"][0]["name"]
@@ -178,9 +250,11 @@ class TrtBackend:
 
     def codec(self, codes: np.ndarray) -> np.ndarray:
         b, n, t = codes.shape
-        if b > self.max_batch or t > self.max_seq:
-            raise HiggsError(f"codec input {codes.shape} exceeds the engine's bounds "
-                             f"({self.max_batch}, {NUM_CODEBOOKS}, {self.max_seq})")
+        if t > CODEC_MAX_FRAMES:
+            raise HiggsError(f"codec call of {t} frames; codec.plan decodes windows of at most {CODEC_MAX_FRAMES} "
+                             "frames (CODEC_MAX_FRAMES)")
+        if b > self.max_batch:
+            raise HiggsError(f"codec call of {b} windows; codec.plan takes at most {self.max_batch}")
         packed = self.codec_in_host.array.reshape(-1)[: codes.size].reshape(codes.shape)
         packed[...] = codes
         cuda.copy_async(self.codec_in.ptr, self.codec_in_host.ptr, codes.nbytes, self.stream)

@@ -39,6 +39,21 @@ def load(kind: str):
     return module
 
 
+MIN_VERSION = (10, 15)  # the ONNX parser maps RotaryEmbedding, TensorScatter (KV-cache layer) and Attention from 10.15
+
+
+def version_problem(trt) -> str | None:
+    """Why this datacenter TensorRT is too old for our graphs, or None."""
+    try:
+        have = tuple(int(x) for x in trt.__version__.split(".")[:2])
+    except (AttributeError, ValueError):
+        return f"unknown TensorRT version {getattr(trt, '__version__', None)!r}"
+    if have < MIN_VERSION:
+        return (f"TensorRT {trt.__version__} is too old: the graphs need {MIN_VERSION[0]}.{MIN_VERSION[1]}+ "
+                "(RotaryEmbedding, KV-cache update and Attention layers); pip install -U 'tensorrt-cu13>=10.15'")
+    return None
+
+
 def check_target(target: str) -> None:
     if target not in TARGETS:
         raise HiggsError(f"unknown target {target!r}; TensorRT-RTX builds for {', '.join(TARGETS)}")

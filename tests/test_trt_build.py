@@ -53,6 +53,8 @@ def test_plans_and_manifest(built):
     assert prefill["shapes"]["input_ids"] == [[1, 1], [1, 64], [4, 96]]
     assert decode["shapes"]["audio_codes"] == [[1, 1, 8], [1, 1, 8], [4, 1, 8]]
     assert decode["shapes"]["past_key_0"][2] == [4, 2, 160, 16]  # static S_max cache
+    # the codec decodes streaming windows: 1..max_batch of them, 1..CODEC_MAX_FRAMES frames, tuned for 10 + 25 + 10
+    assert m["engines"]["codec"]["profiles"][0]["shapes"]["codes"] == [[1, 8, 1], [1, 8, 45], [4, 8, 128]]
 
 
 def test_trt_backend_refusals_on_this_machine(built, tiny_engine):
@@ -123,3 +125,22 @@ def test_plugin_path_builds_with_plugin_layers(tiny_ckpt, tiny_plugin_engine, tm
 
     with pytest.raises(HiggsError, match="build-only twins"):
         TrtBackend(EngineDir(out))
+
+
+def test_a_local_gpu_build_here_is_one_error_line_before_any_export(tiny_ckpt, tmp_path):
+    for ops in ("native", "plugin"):
+        r = CliRunner().invoke(main, ["build", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / ops),
+                                      "--ops", ops])
+        assert r.exit_code == 1 and r.stderr.startswith("Error: TensorRT (tensorrt) is not usable here")
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.output + r.stderr
+        assert not (tmp_path / ops).exists()
+
+
+def test_datacenter_tensorrt_older_than_10_15_is_named():
+    from types import SimpleNamespace
+
+    from higgs_trt.runtime.trt_shim import version_problem
+
+    assert version_problem(SimpleNamespace(__version__="10.15.1.29")) is None
+    assert version_problem(SimpleNamespace(__version__="11.4.0.106")) is None
+    assert "TensorRT 10.14.1 is too old: the graphs need 10.15+" in version_problem(SimpleNamespace(__version__="10.14.1"))
