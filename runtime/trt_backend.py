@@ -1,13 +1,15 @@
 """TensorRT backend: `lm.plan` (profile 0 prefill, profile 1 decode step) and `codec.plan`, driven through
 cuda-python on one non-default stream.
 
-Buffers are allocated once per batch size: device inputs sized for the longest prompt, pinned host staging
-for inputs and outputs, and the KV caches (`KvCaches`: one buffer per cache when the plan aliases `present_*` to
-`past_*`, two in ping-pong when it does not). A decode step is captured in a CUDA graph per batch size and cache
-side (host→device copies of the step inputs, the enqueue, device→host copies of logits and codes), replayed with
-one launch; when capture is refused the step falls back to a plain enqueue. The loop reads each row's codes on
-the host (its stopping rules need them), so a step ends with one stream synchronisation. The codec decodes
-windows of at most CODEC_MAX_FRAMES frames, up to max_batch of them at once.
+An engine graph for runtime/stepper.py: `lm(feeds, slot=None)` runs a prefill into slot `slot` (batch 1, the cache
+bound at that slot's address) or a step over the first B slots. Buffers are allocated once, for max_batch slots:
+device inputs sized for the longest prompt, pinned host staging for inputs and outputs, and the KV caches
+(`KvCaches`: one buffer per cache when the plan aliases `present_*` to `past_*`, two in ping-pong when it does
+not). A decode step is captured in a CUDA graph per batch size and cache side (host→device copies of the step
+inputs, the enqueue, device→host copies of logits and codes), replayed with one launch; when capture is refused
+the step falls back to a plain enqueue. The stepper chooses each row on the host (greedy codes come from the
+graph; sampling needs the logits), so a step ends with one stream synchronisation. The codec decodes windows of
+at most CODEC_MAX_FRAMES frames, up to max_batch of them at once.
 
 Not run on any machine available to this project: datacenter TensorRT cannot be installed here and
 TensorRT-RTX does not run on Hopper. See README, "Verified / not verified here".
@@ -114,6 +116,7 @@ class TrtBackend:
             raise HiggsError(f"the TensorRT backend needs an NVIDIA GPU: {problem}")
         self.max_seq, self.max_batch = m["limits"]["max_seq"], m["limits"]["max_batch"]
         self.max_prompt = m["limits"]["max_prompt"]
+        self.codec_strides = tuple(m["codec"]["strides"])
         self.stream = cuda.Stream()
         self.logger = trt_shim.make_logger(trt)
         self.runtime = trt.Runtime(self.logger)
@@ -136,7 +139,7 @@ class TrtBackend:
             print(f"warning: lm.plan does not alias present_* to past_* (plugin I/O): the KV caches ping-pong "
                   f"between two buffers ({per_slot / 2**20:.0f} MiB more per sequence) and TensorRT may copy each "
                   "whole cache every step", file=sys.stderr)
-        self.batch = None
+        self._lm_buffers()
         self._codec_buffers()
 
     def _load(self, engine: EngineDir, key: str, io: dict):
@@ -153,17 +156,9 @@ class TrtBackend:
 
     # ---- lm ---------------------------------------------------------------------------------------------------
 
-    def start(self, batch: int) -> None:
-        if batch != self.batch:
-            self._lm_buffers(batch)
-        self.kv.zero(self.stream)
-        self.profile = None
-        self.shapes: dict[str, tuple] = {}
-        self.graphs = {}  # cache side → decode step graph, captured afresh for each utterance
-
-    def _lm_buffers(self, batch: int) -> None:
-        """Device inputs sized for the longest prompt, pinned staging, caches, outputs: once per batch size."""
-        sizes = {"batch": batch, "seq": self.max_prompt}
+    def _lm_buffers(self) -> None:
+        """Device inputs sized for the longest prompt, pinned staging, caches, outputs: once, for every slot."""
+        sizes = {"batch": self.max_batch, "seq": self.max_prompt}
         self.inputs, self.staging = {}, {}
         for t in self.lm_io["inputs"]:
             if t["name"] in self.caches:
@@ -172,19 +167,21 @@ class TrtBackend:
             self.inputs[t["name"]] = cuda.DeviceArray(shape, NUMPY[t["dtype"]])
             self.staging[t["name"]] = cuda.PinnedArray(shape, NUMPY[t["dtype"]])
         cache = next(t for t in self.lm_io["inputs"] if t["name"] in self.caches)
-        self.kv = KvCaches(self.caches, (batch, *cache["shape"][1:]), NUMPY[cache["dtype"]], self.aliased)
+        self.kv = KvCaches(self.caches, (self.max_batch, *cache["shape"][1:]), NUMPY[cache["dtype"]], self.aliased)
+        self.kv.zero(self.stream)
         self.outputs, self.results = {}, {}
         for t in self.lm_io["outputs"]:
             if t["name"].startswith("present_"):
                 continue
-            shape = (batch, *t["shape"][1:])
+            shape = (self.max_batch, *t["shape"][1:])
             self.outputs[t["name"]] = cuda.DeviceArray(shape, NUMPY[t["dtype"]])
             self.results[t["name"]] = cuda.PinnedArray(shape, NUMPY[t["dtype"]])
+        self.profile, self.shapes = None, {}
+        self.graphs: dict[tuple[int, int], cuda.Graph] = {}  # (batch, cache side) → decode step
         self.graph_refused = False
-        self.batch = batch
 
-    def _bind(self, profile: int, feeds: dict[str, np.ndarray]) -> int:
-        """Addresses and shapes for this step; returns the cache side read (the CUDA-graph key)."""
+    def _bind(self, profile: int, feeds: dict[str, np.ndarray], first: int, count: int) -> int:
+        """Addresses and shapes for this call on slots [first, first + count); returns the cache side read."""
         ctx = self.lm_context
         switched = profile != self.profile
         if switched:
@@ -198,42 +195,43 @@ class TrtBackend:
                 if not ctx.set_input_shape(name, value.shape):
                     raise HiggsError(f"lm.plan: input {name} of shape {value.shape} is outside profile {profile}")
                 self.shapes[name] = value.shape
-        return self.kv.bind(ctx, self.stream, 0, self.batch, force=switched)
+        return self.kv.bind(ctx, self.stream, first, count, force=switched)
 
-    def _enqueue_step(self, feeds: dict[str, np.ndarray]) -> bool:
-        """Copies in, the engine, copies out: all async on our stream (capturable)."""
+    def _enqueue_step(self, feeds: dict[str, np.ndarray], rows: int) -> bool:
+        """Copies in, the engine, copies out of `rows` rows: all async on our stream (capturable)."""
         for name, value in feeds.items():
             cuda.copy_async(self.inputs[name].ptr, self.staging[name].ptr, value.nbytes, self.stream)
         if not self.lm_context.execute_async_v3(self.stream.ptr):
             return False
         for name, buffer in self.outputs.items():
-            cuda.copy_async(self.results[name].ptr, buffer.ptr, buffer.nbytes, self.stream)
+            cuda.copy_async(self.results[name].ptr, buffer.ptr, buffer.nbytes // self.max_batch * rows, self.stream)
         return True
 
-    def lm(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        seq = feeds["input_ids"].shape[1]
+    def lm(self, feeds: dict[str, np.ndarray], slot: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One call on slot `slot` (batch 1, its cache bound at that slot's address), or on the first B slots."""
+        b, seq = feeds["input_ids"].shape
         if seq > self.max_prompt:
             raise HiggsError(f"prompt of {seq} tokens; this engine's prefill takes at most {self.max_prompt}")
-        decode = seq == 1
-        profile = self.decode_profile if decode else self.prefill_profile
+        decode = seq == 1 and slot is None
+        profile = self.decode_profile if seq == 1 else self.prefill_profile
         for name, value in feeds.items():  # staged in pinned memory, packed as the engine sees [B, S, ...]
             self.staging[name].array.reshape(-1)[: value.size] = value.reshape(-1)
-        side = self._bind(profile, feeds)
-        if decode and side in self.graphs:
-            self.graphs[side].launch()
-        elif not self._enqueue_step(feeds):
+        side = self._bind(profile, feeds, 0 if slot is None else slot, b)
+        if decode and (b, side) in self.graphs:
+            self.graphs[b, side].launch()
+        elif not self._enqueue_step(feeds, b):
             raise HiggsError(f"lm.plan: enqueue failed ({'; '.join(self.logger.errors) or 'unknown error'})")
         elif decode and not self.graph_refused:
-            self._capture(side, feeds)  # after one plain enqueue at these shapes, as trtexec does
+            self._capture(b, side, feeds)  # after one plain enqueue at these shapes, as trtexec does
         self.kv.advance()
         self.stream.synchronize()
-        return self.results["logits"].array, self.results["codes"].array
+        return self.results["logits"].array[:b], self.results["codes"].array[:b]
 
-    def _capture(self, side: int, feeds: dict[str, np.ndarray]) -> None:
-        """The graph freezes the addresses it saw: one per cache side (ping-pong alternates them)."""
+    def _capture(self, batch: int, side: int, feeds: dict[str, np.ndarray]) -> None:
+        """The graph freezes the addresses it saw: one per batch and cache side (ping-pong alternates them)."""
         self.stream.synchronize()
         try:
-            self.graphs[side] = cuda.Graph(self.stream, lambda: self._enqueue_step(feeds))
+            self.graphs[batch, side] = cuda.Graph(self.stream, lambda: self._enqueue_step(feeds, batch))
         except HiggsError:
             self.graph_refused = True  # plain enqueue from now on
 
