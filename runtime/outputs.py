@@ -50,14 +50,17 @@ def _resolve(path: Path) -> Path:
     path = Path(path)
     if path.is_symlink() and not path.exists():
         raise HiggsError(f"{path}: is a symlink to nothing ({os.readlink(path)}); give a real path")
-    return path.resolve()
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop on the way
+        raise HiggsError(f"{path}: cannot be resolved ({e})") from None
 
 
 def _check_inputs(path: Path, target: Path, inputs, directory: bool) -> None:
     for given in inputs:
         if given is None:
             continue
-        source = Path(given).resolve()
+        source = _resolve(Path(given))
         if target == source:
             raise HiggsError(f"{path}: is an input of this command ({given}); write somewhere else")
         if source in target.parents:
