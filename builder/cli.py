@@ -298,7 +298,7 @@ def compare(engine, checkpoint, runners, prompts, steps, save, per_layer):
     if per_layer and checkpoint is None:
         raise HiggsError("--per-layer needs --checkpoint")
     if save is not None:
-        output_dir(save, "a compare --save directory", _not_a_compare_save, inputs=(engine, checkpoint, prompts))
+        save = output_dir(save, "a compare --save directory", _not_a_compare_save, inputs=(engine, checkpoint, prompts))
     items = read_prompts_file(prompts) if prompts is not None else None
     engine_dir = EngineDir(engine)
     within("--steps", steps, 1, engine_dir.manifest["limits"]["max_seq"], "the engine's max-seq")

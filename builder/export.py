@@ -211,7 +211,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
     from higgs_trt.runtime.prompt import HiggsTokenizer
 
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
-    output_engine_dir(out, inputs=(checkpoint_dir,))
+    target = output_engine_dir(out, inputs=(checkpoint_dir,))  # symlinks followed: the directory a link names
     if not 1 <= max_prompt < max_seq or not 1 <= max_batch <= MAX_BATCH:
         raise HiggsError(f"need 1 ≤ max-prompt < max-seq and 1 ≤ max-batch ≤ {MAX_BATCH} "
                          f"(got {max_prompt}, {max_seq}, {max_batch})")
@@ -231,7 +231,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
         else:
             say("  calibrating FP8 scales on the built-in prompt set (BF16 torch reference)…")
             scales = calibrate(checkpoint_dir)
-    with staged_dir(out) as staging:
+    with staged_dir(target) as staging:
         graphs = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
         shutil.copy(tokenizer, staging / "tokenizer.json")
         files = [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"]

@@ -160,8 +160,8 @@ def write_random_checkpoint(out: Path, seed: int = 0, shards: int = 2, size: str
     from higgs_trt.runtime.outputs import output_dir, staged_dir
 
     out = Path(out)
-    output_dir(out, "a random checkpoint", _not_a_random_checkpoint)
-    with staged_dir(out) as staging:
+    target = output_dir(out, "a random checkpoint", _not_a_random_checkpoint)
+    with staged_dir(target) as staging:
         _write(staging, seed, shards, size)
     return out
 

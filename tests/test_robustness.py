@@ -621,13 +621,14 @@ def test_an_existing_file_and_a_symlinked_file_are_replaced(tiny_engine, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.wav", "new.wav", "out.wav", "real.wav"]
 
 
-def test_tiny_checkpoint_replaces_its_own_output(tmp_path):
-    out = tmp_path / "ck"
-    for seed in (0, 1):
-        code, stderr = higgs("tiny-checkpoint", out, "--seed", seed, "--shards", 1)
+def test_tiny_checkpoint_replaces_its_own_output_also_through_a_symlink(tmp_path):
+    out, link = tmp_path / "ck", tmp_path / "link"
+    link.symlink_to(out)
+    for seed, path in ((0, out), (1, out), (2, link)):
+        code, stderr = higgs("tiny-checkpoint", path, "--seed", seed, "--shards", 1)
         assert code == 0, stderr
-    assert json.loads((out / "higgs-trt-random.json").read_text())["seed"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert json.loads((out / "higgs-trt-random.json").read_text())["seed"] == 2
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "link"]
 
 
 def test_compare_save_replaces_an_earlier_save(tiny_engine, tiny_ckpt, tmp_path):
