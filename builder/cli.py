@@ -98,6 +98,26 @@ def bench_export(checkpoint, max_seq):
 
 
 
+@click.command("checkpoint")
+@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
+@click.option("--repeats", type=click.IntRange(1, 100), default=3, show_default=True)
+def bench_checkpoint(checkpoint, repeats):
+    """What the non-finite weight check costs: seconds per GiB of float tensors (every run after the first reads
+    from the page cache; the first may read from disk)."""
+    with extras.needed("builder", "bench checkpoint"):
+        from higgs_trt.builder.checkpoint import NONFINITE, Checkpoint
+    first = Checkpoint(checkpoint)
+    names = [n for n in first.names() if first.dtype(n) in NONFINITE]
+    size = sum(first.nbytes(n) for n in names)
+    for run in range(repeats):
+        ckpt = Checkpoint(checkpoint)  # a fresh one: nothing checked yet
+        t0 = time.perf_counter()
+        ckpt.check_finite(names)
+        seconds = time.perf_counter() - t0
+        click.echo(f"run {run}: {len(names)} tensors, {size / 2**30:.3f} GiB in {seconds:.3f} s = "
+                   f"{seconds / (size / 2**30):.3f} s/GiB ({size / 2**30 / seconds:.2f} GiB/s)")
+
+
 def fp8_options(command):
     """--precision, --calibration and the accuracy-gate floors, shared by export and build."""
     from higgs_trt.calibration.gate import DEFAULT_COSINE, DEFAULT_TOP1
@@ -116,9 +136,21 @@ def fp8_options(command):
     return command
 
 
+def check_fp8_options(precision: str, options: set[str], gate_cosine: float, gate_top1: float) -> None:
+    """--calibration and the gate floors apply to --precision fp8 only: refused with bf16 rather than ignored."""
+    extra = [o for o in ("calibration", "gate_cosine", "gate_top1") if o in options]
+    if precision != "fp8" and extra:
+        raise HiggsError(f"--{extra[0].replace('_', '-')} applies to --precision fp8 only")
+    if not -1 <= gate_cosine <= 1:  # NaN fails too
+        raise HiggsError(f"--gate-cosine must lie in [-1, 1], got {gate_cosine}")
+    if not 0 <= gate_top1 <= 1:
+        raise HiggsError(f"--gate-top1 must lie in [0, 1], got {gate_top1}")
+
+
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
-@click.option("--out", type=click.Path(path_type=Path), help="Engine directory [default: engines/<checkpoint name>].")
+@click.option("--out", type=click.Path(path_type=Path),
+              help="Engine directory [default: engines/<checkpoint name>]: new, empty, or an engine directory to replace.")
 @click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
               help="native: RoPE/KV-cache/attention and the codebook step as standard ONNX ops TensorRT maps to its "
                    "own layers; plugin: the higgs::rope_kv_write and higgs::delayed_codebook_step plugins (Triton).")
@@ -126,8 +158,12 @@ def fp8_options(command):
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the engines take.")
 @click.option("--max-prompt", type=int, default=512, show_default=True, help="Longest prompt (prefill) in tokens.")
 @fp8_options
-def export(checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine, gate_top1):
+@click.pass_context
+def export(ctx, checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine, gate_top1):
     """Export the LM (bf16 + fp32 reference twin; FP8 Q/DQ graphs too with --precision fp8) and codec graphs."""
+    from higgs_trt.runtime.cli import given
+
+    check_fp8_options(precision, given(ctx), gate_cosine, gate_top1)
     with extras.needed("builder", "export"):
         from higgs_trt.builder.export import export_engine
         from higgs_trt.builder.trt_build import op_path
@@ -141,7 +177,8 @@ def export(checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, cali
 
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
-@click.option("--out", type=click.Path(path_type=Path), help="Engine directory [default: engines/<checkpoint name>].")
+@click.option("--out", type=click.Path(path_type=Path),
+              help="Engine directory [default: engines/<checkpoint name>]: new, empty, or an engine directory to replace.")
 @click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
               help="See `export --help`. Plugin plans built with --target hold build-only plugin twins: not runnable.")
 @click.option("--target", help=f"Build with TensorRT-RTX for this compute capability, no GPU needed "
@@ -156,13 +193,15 @@ def export(checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, cali
 def build(ctx, checkpoint, out, ops, target, lean, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine,
           gate_top1, recipe):
     """Export (or reuse) the ONNX graphs and build TensorRT engines into an engine directory."""
+    from higgs_trt.runtime.cli import given
+
+    options = given(ctx)
     if recipe:
         settings = _recipe(recipe)
-        given = {k for k in settings if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-        chosen = {**{k: v for k, v in settings.items() if k not in given}, **{k: ctx.params[k] for k in given}}
+        chosen = {**{k: v for k, v in settings.items() if k not in options}, **{k: ctx.params[k] for k in options}}
         ops, target, max_seq, max_batch, max_prompt, precision = (
             chosen.get(k, ctx.params[k]) for k in ("ops", "target", "max_seq", "max_batch", "max_prompt", "precision"))
-
+    check_fp8_options(precision, options, gate_cosine, gate_top1)
     with extras.needed("builder", "build"):
         from higgs_trt.builder.trt_build import build as build_engine_dir
     out = out or Path("engines") / checkpoint.resolve().name
@@ -174,23 +213,70 @@ def build(ctx, checkpoint, out, ops, target, lean, max_seq, max_batch, max_promp
 
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="calibration.json to write.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="calibration.json to write (new, or a file to replace; not inside the checkpoint).")
 @click.option("--statistic", type=click.Choice(["p999", "max"]), default="p999", show_default=True,
               help="Per-site activation amax: the 99.9th percentile of per-token maxima (chosen by measurement), "
                    "or the largest |x| seen.")
 def calibrate(checkpoint, out, statistic):
     """FP8 activation scales from the built-in prompt set (prefill + free-run decode of the BF16 reference)."""
-    from higgs_trt.runtime.wav import check_writable, write_atomic
+    from higgs_trt.runtime.outputs import output_file, write_file
 
-    check_writable(out)
+    output_file(out, inputs=(checkpoint,))
     with extras.needed("builder", "calibrate"):
         from higgs_trt.calibration.calibrate import calibrate as run_calibration
         from higgs_trt.calibration.calibrate import write_calibration
     t0 = time.perf_counter()
     result = run_calibration(checkpoint, statistic)
-    write_atomic(out, lambda tmp: write_calibration(result, tmp))
+    write_file(out, lambda tmp: write_calibration(result, tmp), inputs=(checkpoint,))
     say(f"calibrated {len(result['activation_amax'])} GEMM inputs over {result['tokens']} tokens "
         f"in {time.perf_counter() - t0:.1f} s → {out}")
+
+
+PROMPT_KEYS = ("text", "ref_text", "ref_codes")
+SAVED = ("inputs.json", "outputs.json", "report.json")
+
+
+def read_prompts_file(path: Path) -> list[dict]:
+    """compare --prompts: a JSON list of {"text", optional "ref_text", "ref_codes" [T,8]}, every field checked."""
+    from higgs_trt.runtime.jsonfile import read_json
+    from higgs_trt.runtime.prompt import check_reference_codes, check_text
+
+    items = read_json(path)
+    if not isinstance(items, list) or not items:
+        raise HiggsError(f'{path}: expected a non-empty JSON list of {{"text": ...}} objects')
+    for i, item in enumerate(items):
+        where = f"{path}: prompt {i}"
+        if not isinstance(item, dict) or "text" not in item:
+            raise HiggsError(f'{where} is not a {{"text": ...}} object')
+        unknown = sorted(set(item) - set(PROMPT_KEYS))
+        if unknown:
+            raise HiggsError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))} (known: {', '.join(PROMPT_KEYS)})")
+        check_text(item["text"], f"{where} text")
+        if "ref_text" in item:
+            if "ref_codes" not in item:
+                raise HiggsError(f"{where} has ref_text without ref_codes")
+            check_text(item["ref_text"], f"{where} ref_text")
+        if "ref_codes" in item:
+            check_reference_codes(item["ref_codes"], where)
+    return items
+
+
+def check_runners(runners: str) -> list[str]:
+    names = [r.strip() for r in runners.split(",") if r.strip()]
+    unknown = [r for r in names if r not in ("torch", "ort", "trt")]
+    if unknown:
+        raise HiggsError(f"unknown runner {unknown[0]!r}; choose from torch, ort, trt")
+    if len(set(names)) != len(names) or len(names) < 2:
+        raise HiggsError(f"--runners needs at least two runners, each named once, got {runners!r}")
+    return names
+
+
+def _not_a_compare_save(directory: Path) -> str | None:
+    from higgs_trt.runtime.outputs import unexpected_entries
+
+    others = unexpected_entries(directory, lambda name: name in SAVED)
+    return f"holds files compare --save does not write ({', '.join(sorted(others)[:5])})" if others else None
 
 
 @click.command()
@@ -204,37 +290,46 @@ def calibrate(checkpoint, out, statistic):
                    '[default: the built-in held-out prompts].')
 @click.option("--steps", type=int, default=32, show_default=True, help="Teacher-forced decode steps per prompt.")
 @click.option("--save", type=click.Path(path_type=Path),
-              help="Write inputs.json / outputs.json (Polygraphy's format) and report.json here.")
+              help="Write inputs.json / outputs.json (Polygraphy's format) and report.json into this directory "
+                   "(new, empty, or one an earlier --save wrote).")
 @click.option("--per-layer", is_flag=True,
               help="Also mark every intermediate tensor of the engine's fp32 twin and name the first one that differs "
                    "from a fresh export of --checkpoint (locates a broken layer).")
 def compare(engine, checkpoint, runners, prompts, steps, save, per_layer):
     """Compare torch, ONNX Runtime and TensorRT on the same teacher-forced decode steps (Polygraphy)."""
-    import json
+    from contextlib import nullcontext
 
-    from higgs_trt.runtime.prompt import HiggsTokenizer
+    from higgs_trt.runtime.engines import Sources, check_prompt_fits, load_tokenizer
+    from higgs_trt.runtime.manifest import EngineDir
+    from higgs_trt.runtime.options import within
+    from higgs_trt.runtime.outputs import output_dir, staged_dir
 
+    runner_names = check_runners(runners)
+    if per_layer and checkpoint is None:
+        raise HiggsError("--per-layer needs --checkpoint")
+    if save is not None:
+        save = output_dir(save, "a compare --save directory", _not_a_compare_save, inputs=(engine, checkpoint, prompts))
+    items = read_prompts_file(prompts) if prompts is not None else None
+    engine_dir = EngineDir(engine)
+    within("--steps", steps, 1, engine_dir.manifest["limits"]["max_seq"], "the engine's max-seq")
     with extras.needed("compare", "compare"):
         from higgs_trt.builder.compare import compare as run_compare
         from higgs_trt.builder.compare import summary
         from higgs_trt.calibration.calibrate import build_prompts, prompt_set
-    if prompts is None:
-        items = prompt_set()["heldout"]
-    else:
+    tok = load_tokenizer(Sources("ort", engine_dir, None))
+    prompt_list = []
+    for i, p in enumerate(items or prompt_set()["heldout"]):
         try:
-            items = json.loads(Path(prompts).read_text())
-        except (OSError, ValueError) as e:
-            raise HiggsError(f"{prompts}: unreadable prompts file ({e})") from None
-        if not isinstance(items, list) or not all(isinstance(p, dict) and "text" in p for p in items):
-            raise HiggsError(f'{prompts}: expected a JSON list of {{"text": ...}} objects')
-    prompt_list = build_prompts(HiggsTokenizer(Path(engine) / "tokenizer.json"), items)
-    report = run_compare(engine, checkpoint, [r.strip() for r in runners.split(",") if r.strip()], prompt_list,
-                         steps, save, say)
+            prompt = build_prompts(tok, [p])[0]
+            check_prompt_fits(prompt, engine_dir)
+        except HiggsError as e:
+            raise HiggsError(f"{prompts or 'built-in prompts'}: prompt {i}: {e}") from None
+        prompt_list.append(prompt)
+    with staged_dir(save) if save is not None else nullcontext() as staging:
+        report = run_compare(engine, checkpoint, runner_names, prompt_list, steps, staging, say)
     for line in summary(report):
         click.echo(line)
     if per_layer:
-        if checkpoint is None:
-            raise HiggsError("--per-layer needs --checkpoint")
         from higgs_trt.builder.compare import locate_divergence
 
         first = locate_divergence(engine, checkpoint, prompt_list, say)
@@ -243,7 +338,6 @@ def compare(engine, checkpoint, runners, prompts, steps, save, per_layer):
                       else "all agree"))
     if not report["passed"]:
         raise click.exceptions.Exit(1)
-
 
 
 def _recipe(name: str) -> dict:
@@ -261,13 +355,18 @@ def _recipe(name: str) -> dict:
 
 @click.command("tiny-checkpoint")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed, same files).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights seed 0..2**63-1 (same seed, same files).")
 @click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True,
               help="1: a single model.safetensors; more: sharded with model.safetensors.index.json.")
 @click.option("--size", type=click.Choice(["tiny", "mid", "real"]), default="tiny", show_default=True,
               help="tiny: CI-sized; mid: 12 layers, hidden 1536 (~0.8 GB); real: Higgs v3 dimensions (~9 GB).")
 def tiny_checkpoint(out_dir, seed, shards, size):
-    """Write a random checkpoint in the real Higgs v3 layout (tiny by default: for tests and the README demo)."""
+    """Write a random checkpoint in the real Higgs v3 layout (tiny by default: for tests and the README demo).
+
+    OUT_DIR may be new, empty, or a random checkpoint this command wrote (it is replaced); anything else is refused."""
+    from higgs_trt.runtime.options import MAX_SEED, within
+
+    within("--seed", seed, 0, MAX_SEED)
     with extras.needed("builder", "tiny-checkpoint"):
         from higgs_trt.builder.tiny import write_random_checkpoint
     write_random_checkpoint(out_dir, seed, shards, size)
@@ -275,4 +374,4 @@ def tiny_checkpoint(out_dir, seed, shards, size):
 
 
 COMMANDS = [export, build, calibrate, compare, tiny_checkpoint]
-BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_linear]
+BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_checkpoint, bench_linear]

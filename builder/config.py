@@ -4,12 +4,12 @@ Only what inference needs is kept. Anything this model cannot be (another archit
 an audio vocabulary that is not 1024 codes + BOC + EOC, rope scaling) is refused with one clear message.
 """
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from higgs_trt.runtime.decoding import AUDIO_VOCAB, NUM_CODEBOOKS
 from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.jsonfile import read_json
 
 DEFAULT_ROPE_THETA = 1e6  # some revisions ship `rope_theta: null`; every implementation uses 1e6
 
@@ -37,19 +37,45 @@ class HiggsConfig:
         return asdict(self)
 
 
+# Sane bounds for each size (far above any Qwen3 model): a config beyond them is a typo, not a model to allocate.
+LIMITS = {"hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
+          "num_key_value_heads": 1024, "head_dim": 1024, "intermediate_size": 1 << 20, "vocab_size": 1 << 22,
+          "max_position_embeddings": 1 << 22}
+
+
 def _require(cond: bool, what: str) -> None:
     if not cond:
         raise HiggsError(f"config.json: {what}")
 
 
+def _int(section: dict, where: str, key: str, default=None) -> int:
+    """A size: a JSON integer (not a string, float or bool) in 1..LIMITS[key]."""
+    value = section.get(key, default)
+    _require(value is not None, f"{where} lacks {key!r}")
+    _require(type(value) is int, f"{where}.{key} must be an integer, got {value!r}")
+    _require(1 <= value <= LIMITS[key], f"{where}.{key} is {value}, outside 1..{LIMITS[key]}")
+    return value
+
+
+def _number(section: dict, where: str, key: str, default: float, low: float, high: float) -> float:
+    """A JSON number (not a string or bool), finite, low < value < high."""
+    value = section.get(key, default)
+    _require(type(value) in (int, float), f"{where}.{key} must be a number, got {value!r}")
+    _require(low < value < high, f"{where}.{key} is {value}, outside ({low:g}, {high:g})")
+    return float(value)
+
+
 def _rope_theta(text: dict) -> float:
-    params = text.get("rope_parameters") or {}
-    scaling = text.get("rope_scaling") or {}
+    params, scaling = text.get("rope_parameters") or {}, text.get("rope_scaling") or {}
+    _require(isinstance(params, dict) and isinstance(scaling, dict),
+             "text_config.rope_parameters and rope_scaling must be objects")
     for source in (params, scaling):
         kind = source.get("rope_type", source.get("type", "default"))
         _require(kind == "default", f"rope type {kind!r} is not supported (Higgs v3 uses plain RoPE)")
-    theta = params.get("rope_theta", text.get("rope_theta"))
-    return DEFAULT_ROPE_THETA if theta is None else float(theta)
+    section, where = (params, "text_config.rope_parameters") if "rope_theta" in params else (text, "text_config")
+    if section.get("rope_theta") is None:
+        return DEFAULT_ROPE_THETA
+    return _number(section, where, "rope_theta", None, 0, 1e12)
 
 
 def parse_config(raw: dict) -> HiggsConfig:
@@ -61,28 +87,23 @@ def parse_config(raw: dict) -> HiggsConfig:
     _require(text.get("model_type", "qwen3") == "qwen3", f"text_config.model_type is {text.get('model_type')!r}, expected 'qwen3'")
     _require(text.get("hidden_act", "silu") == "silu", f"hidden_act {text.get('hidden_act')!r} is not supported")
 
-    try:
-        hidden = int(text["hidden_size"])
-        heads = int(text["num_attention_heads"])
-        cfg = HiggsConfig(
-            hidden_size=hidden,
-            num_layers=int(text["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads", heads)),
-            head_dim=int(text.get("head_dim") or hidden // heads),
-            intermediate_size=int(text["intermediate_size"]),
-            text_vocab_size=int(text["vocab_size"]),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(text),
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        )
-    except KeyError as e:
-        raise HiggsError(f"config.json: text_config lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise HiggsError(f"config.json: bad value in text_config ({e})") from None
-
-    _require(min(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) > 0,
-             "text_config sizes must be positive")
+    t = "text_config"
+    hidden = _int(text, t, "hidden_size")
+    heads = _int(text, t, "num_attention_heads")
+    head_dim = _int(text, t, "head_dim") if text.get("head_dim") is not None else hidden // heads
+    cfg = HiggsConfig(
+        hidden_size=hidden,
+        num_layers=_int(text, t, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=_int(text, t, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        intermediate_size=_int(text, t, "intermediate_size"),
+        text_vocab_size=_int(text, t, "vocab_size"),
+        rms_norm_eps=_number(text, t, "rms_norm_eps", 1e-6, 0, 1),
+        rope_theta=_rope_theta(text),
+        max_position_embeddings=_int(text, t, "max_position_embeddings", 32768),
+    )
+    _require(cfg.head_dim > 0, f"text_config: hidden_size {hidden} / num_attention_heads {heads} gives no head_dim")
     _require(cfg.num_heads % cfg.num_kv_heads == 0,
              f"num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}")
     _require(cfg.head_dim % 2 == 0, f"head_dim {cfg.head_dim} must be even for RoPE")
@@ -91,26 +112,24 @@ def parse_config(raw: dict) -> HiggsConfig:
              f"audio_encoder_config.encoder_type {audio.get('encoder_type')!r} is not 'discrete'")
     _require(audio.get("use_delay_pattern") is True,
              "audio_encoder_config.use_delay_pattern must be true (the decode loop is built on the delay pattern)")
-    _require(audio.get("num_codebooks") == NUM_CODEBOOKS,
-             f"audio_encoder_config.num_codebooks is {audio.get('num_codebooks')}, expected {NUM_CODEBOOKS}")
-    _require(audio.get("vocab_size") == AUDIO_VOCAB,
-             f"audio_encoder_config.vocab_size is {audio.get('vocab_size')}, expected {AUDIO_VOCAB} "
+    _require(type(audio.get("num_codebooks")) is int and audio["num_codebooks"] == NUM_CODEBOOKS,
+             f"audio_encoder_config.num_codebooks is {audio.get('num_codebooks')!r}, expected {NUM_CODEBOOKS}")
+    _require(type(audio.get("vocab_size")) is int and audio["vocab_size"] == AUDIO_VOCAB,
+             f"audio_encoder_config.vocab_size is {audio.get('vocab_size')!r}, expected {AUDIO_VOCAB} "
              "(1024 codes + BOC + EOC per codebook)")
     _require(audio.get("tie_word_embeddings", True) is True,
              "audio_encoder_config.tie_word_embeddings must be true (the audio head is the audio embedding table)")
-    _require(audio.get("out_dim", cfg.hidden_size) == cfg.hidden_size,
-             f"audio_encoder_config.out_dim {audio.get('out_dim')} differs from hidden_size {cfg.hidden_size}")
+    out_dim = audio.get("out_dim", cfg.hidden_size)
+    _require(type(out_dim) is int and out_dim == cfg.hidden_size,
+             f"audio_encoder_config.out_dim {out_dim!r} differs from hidden_size {cfg.hidden_size}")
     return cfg
 
 
 def load_config(checkpoint_dir: Path) -> HiggsConfig:
     path = Path(checkpoint_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HiggsError(f"{path}: not found (is {checkpoint_dir} a Higgs checkpoint directory?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HiggsError(f"{path}: unreadable ({e})") from None
+    if not path.exists():
+        raise HiggsError(f"{path}: not found (is {checkpoint_dir} a Higgs checkpoint directory?)")
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise HiggsError(f"{path}: not a JSON object")
     return parse_config(raw)

@@ -13,7 +13,6 @@ import contextlib
 import io
 import logging
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -26,7 +25,8 @@ import torch
 from higgs_trt.calibration.qdq import insert_qdq
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
-from higgs_trt.runtime.manifest import publish, write_manifest
+from higgs_trt.runtime.manifest import write_manifest
+from higgs_trt.runtime.outputs import output_engine_dir, staged_dir
 from higgs_trt.runtime.streaming import receptive_field
 
 from .checkpoint import Checkpoint
@@ -40,6 +40,7 @@ LM_STEP_INPUTS = ("input_ids", "audio_codes", "is_audio", "write_pos", "new_len"
 # Folding a constant bigger than this would copy a weight (e.g. a bf16→fp32 cast in the twin) and lose its name.
 FOLD_LIMIT = 8
 ALIGN = 64
+MAX_BATCH = 1024
 
 
 def cache_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -211,7 +212,8 @@ def _check_weights_kept(model: ir.Model, expected: list[str]) -> None:
 def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batch: int = 8, max_prompt: int = 512,
                   ops=NativeOps, say=print, precision: str = "bf16", calibration: Path | None = None,
                   gate: tuple[float, float] | None = None) -> Path:
-    """Export every graph of an engine directory at `out` (written in a temp dir, then moved into place).
+    """Export every graph of an engine directory at `out` (built in a staging directory beside it, then swapped in
+    whole; `out` may be new, empty or an engine directory: runtime/outputs.py).
 
     precision fp8 adds the FP8 Q/DQ graphs, with scales from `calibration` (a file from `higgs-trt calibrate`)
     or computed now from the built-in prompt set, and runs the accuracy gate (cosine, top-1 floors) on them.
@@ -222,13 +224,18 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
     from higgs_trt.runtime.prompt import HiggsTokenizer
 
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
-    if not 1 <= max_prompt < max_seq or max_batch < 1:
-        raise HiggsError(f"need 1 ≤ max-prompt < max-seq and max-batch ≥ 1 (got {max_prompt}, {max_seq}, {max_batch})")
+    target = output_engine_dir(out, inputs=(checkpoint_dir,))  # symlinks followed: the directory a link names
+    if not 1 <= max_prompt < max_seq or not 1 <= max_batch <= MAX_BATCH:
+        raise HiggsError(f"need 1 ≤ max-prompt < max-seq and 1 ≤ max-batch ≤ {MAX_BATCH} "
+                         f"(got {max_prompt}, {max_seq}, {max_batch})")
     ckpt = Checkpoint(checkpoint_dir)
+    if max_seq > ckpt.config.max_position_embeddings:
+        raise HiggsError(f"max-seq {max_seq} is beyond the model's max_position_embeddings "
+                         f"{ckpt.config.max_position_embeddings}")
     tokenizer = checkpoint_dir / "tokenizer.json"
     if not tokenizer.exists():
         raise HiggsError(f"{checkpoint_dir}: tokenizer.json not found")
-    HiggsTokenizer(tokenizer)  # refuse a checkpoint whose tokenizer lacks the Higgs special tokens now
+    HiggsTokenizer(tokenizer, ckpt.config.text_vocab_size)  # its special tokens and ids, now rather than at run time
     fingerprint = ckpt.fingerprint()
     codec_dims = CodecDims.from_checkpoint(ckpt)
     scales = None
@@ -238,9 +245,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
         else:
             say("  calibrating FP8 scales on the built-in prompt set (BF16 torch reference)…")
             scales = calibrate(checkpoint_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export."))
-    try:
+    with staged_dir(target) as staging:
         graphs, weights_index = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
         shutil.copy(tokenizer, staging / "tokenizer.json")
         files = [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"]
@@ -267,10 +272,6 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
             cosine, top1 = gate or (DEFAULT_COSINE, DEFAULT_TOP1)
             manifest["fp8_gate"] = run_gate(EngineDir(staging), checkpoint_dir, scales, cosine, top1, say)
             write_manifest(staging, manifest, files)
-        publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

@@ -7,6 +7,7 @@ tokens at ids unlike the real ones, so nothing can rely on hard-coded ids.
 """
 
 import json
+import re
 import zlib
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def _codec_shapes(codec: dict) -> dict[str, tuple[int, ...]]:
 def _random(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Scales that keep activations O(1) and give the logits wide margins (few near-ties for greedy parity).
     Each tensor has its own generator, so values do not depend on how tensors are spread over shards."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)  # any seed ≥ 0
     return _scaled(name, shape, gen).to(torch.bfloat16)
 
 
@@ -149,10 +150,36 @@ def _scaled(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     return gain * torch.randn(shape, generator=gen) / fan_in ** 0.5
 
 
+MARKER = "higgs-trt-random.json"  # says what this directory is, so that tiny-checkpoint may replace it later
+MADE = re.compile(r"config\.json|tokenizer\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+
+
 def write_random_checkpoint(out: Path, seed: int = 0, shards: int = 2, size: str = "tiny") -> Path:
-    text, codec = SIZES[size]
+    """Write the checkpoint into a staging directory beside `out`, then swap it in: `out` may be new, empty or a
+    random checkpoint written here before (runtime/outputs.py); anything else is refused."""
+    from higgs_trt.runtime.outputs import output_dir, staged_dir
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    target = output_dir(out, "a random checkpoint", _not_a_random_checkpoint)
+    with staged_dir(target) as staging:
+        _write(staging, seed, shards, size)
+    return out
+
+
+def _not_a_random_checkpoint(directory: Path) -> str | None:
+    from higgs_trt.runtime.outputs import unexpected_entries
+
+    if not (directory / MARKER).is_file():
+        return f"holds no {MARKER} (not a random checkpoint written by tiny-checkpoint)"
+    others = unexpected_entries(directory, lambda name: name == MARKER or MADE.fullmatch(name) is not None)
+    return f"holds files a random checkpoint does not ({', '.join(sorted(others)[:5])})" if others else None
+
+
+def _write(out: Path, seed: int, shards: int, size: str) -> None:
+    text, codec = SIZES[size]
+    (out / MARKER).write_text(json.dumps({"made_by": "higgs-trt tiny-checkpoint", "size": size, "seed": seed,
+                                          "shards": shards, "weights": "random: for tests and benchmarks only"},
+                                         indent=1) + "\n")
     cfg = _config(text, build_tokenizer(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
@@ -160,7 +187,7 @@ def write_random_checkpoint(out: Path, seed: int = 0, shards: int = 2, size: str
     names = sorted(shapes)
     if shards == 1:
         save_file({n: _random(n, shapes[n], seed) for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
+        return
     weight_map = {}
     for i in range(shards):  # one shard in memory at a time
         part = names[i::shards]
@@ -170,4 +197,3 @@ def write_random_checkpoint(out: Path, seed: int = 0, shards: int = 2, size: str
     total = sum(2 * int(torch.Size(s).numel()) for s in shapes.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out

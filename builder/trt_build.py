@@ -172,10 +172,13 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
           calibration: Path | None = None, gate: tuple[float, float] | None = None, ops: str = "native") -> Path:
     """Export (reusing the engine directory's graphs when nothing they depend on changed), then build."""
     from higgs_trt.runtime.manifest import EngineDir, write_manifest
+    from higgs_trt.runtime.outputs import output_engine_dir, remove_stale
 
     from .checkpoint import Checkpoint
     from .export import export_engine
 
+    output_engine_dir(out, inputs=(checkpoint,))  # new, empty or an engine directory: refused before any work
+    remove_stale(out)  # what a killed export or build of `out` left beside it
     if target:
         trt_shim.check_target(target)  # before a long export
     else:

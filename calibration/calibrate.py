@@ -105,22 +105,27 @@ def calibrate(checkpoint_dir: Path, statistic: str = "p999", device: str | None 
 
 
 def write_calibration(calibration: dict, path: Path) -> None:
-    path.write_text(json.dumps(calibration, indent=1, sort_keys=True) + "\n")
+    Path(path).write_text(json.dumps(calibration, indent=1, sort_keys=True) + "\n")
 
 
 def load_calibration(path: Path, fingerprint: str) -> dict:
     """A calibration file, refused unless it is intact and belongs to this checkpoint and prompt-set version."""
-    try:
-        calibration = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise HiggsError(f"{path}: unreadable calibration ({e})") from None
+    from higgs_trt.runtime.jsonfile import read_json
+
+    calibration = read_json(path)
     body = {k: v for k, v in calibration.items() if k != "content_sha256"} if isinstance(calibration, dict) else {}
     if not body or calibration.get("format") != FORMAT or calibration.get("content_sha256") != _seal(body):
         raise HiggsError(f"{path}: not an intact calibration file (edited, truncated or another format)")
+    amax = calibration.get("activation_amax")
+    if not (isinstance(calibration.get("prompt_set"), dict) and isinstance(calibration.get("checkpoint"), str)
+            and isinstance(amax, dict) and amax
+            and all(type(v) in (int, float) and 0 < v < float("inf") for v in amax.values())):
+        raise HiggsError(f"{path}: not a calibration file of this tool (no prompt set, checkpoint or positive "
+                         "activation ranges)")
     current = prompt_set()
     if calibration["prompt_set"] != {"version": current["version"], "sha256": current["sha256"]}:
-        raise HiggsError(f"{path}: calibrated on prompt set v{calibration['prompt_set']['version']}, this tool's is "
-                         f"v{current['version']}; run `higgs-trt calibrate` again")
+        raise HiggsError(f"{path}: calibrated on prompt set v{calibration['prompt_set'].get('version')}, this tool's "
+                         f"is v{current['version']}; run `higgs-trt calibrate` again")
     if calibration["checkpoint"] != fingerprint:
         raise HiggsError(f"{path}: calibrated for another checkpoint (fingerprint {calibration['checkpoint'][:12]}…)")
     return calibration

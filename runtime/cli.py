@@ -29,17 +29,32 @@ def say(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _backend(name: str | None, checkpoint: Path | None, engine_dir: Path | None, max_seq: int, device: str,
-             precision: str | None = None, max_batch: int = 1):
-    """(engine, tokenizer.json) for `run` and `bench` (runtime/engines.py)."""
-    from .engines import open_engine
+def given(ctx: click.Context) -> set[str]:
+    """The options the user set (on the command line or through the environment), not left at their defaults."""
+    return {k for k in ctx.params if ctx.get_parameter_source(k) not in (None, click.core.ParameterSource.DEFAULT)}
 
-    return open_engine(name, checkpoint, engine_dir, device=device, max_seq=max_seq, max_batch=max_batch,
-                       precision=precision, say=say)
+
+def _engine(ctx: click.Context, backend, engine, checkpoint, device, precision, max_seq, max_batch: int = 1):
+    """(sources, the slot engine, tokenizer) for `run` and the benchmarks (runtime/engines.py)."""
+    from .engines import choose_backend, load_tokenizer, open_engine, open_sources
+
+    name = choose_backend(backend, engine, checkpoint, device, given(ctx))
+    sources = open_sources(name, engine, checkpoint, precision, max_seq)
+    tokenizer = load_tokenizer(sources)
+    model = open_engine(sources, device=device, max_seq=max_seq, max_batch=max_batch, precision=precision, say=say)
+    return sources, model, tokenizer
+
+
+def check_outputs(out: Path | None, codes_out: Path | None, inputs) -> None:
+    from .outputs import output_file
+
+    targets = [output_file(path, inputs) for path in (out, codes_out) if path is not None]
+    if len(set(targets)) < len(targets):
+        raise HiggsError(f"--out and --codes-out name the same file ({out})")
 
 
 @main.command()
-@click.option("--text", required=True, help="Text to speak (inline control tags like <|emotion:elation|> allowed).")
+@click.option("--text", required=True, help="Text to speak (inline style tags like <|emotion:elation|> allowed).")
 @click.option("--out", "out", type=click.Path(path_type=Path, allow_dash=True), required=True,
               help="Output wav (24 kHz mono); with --stream, '-' writes raw PCM (s16le, 24 kHz, mono) to stdout.")
 @click.option("--engine", type=click.Path(path_type=Path), help="Engine directory made by `higgs-trt export`.")
@@ -54,13 +69,14 @@ def _backend(name: str | None, checkpoint: Path | None, engine_dir: Path | None,
                    "trt: lean loads --lean plans with tensorrt_lean.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8"]), help="Refuse an engine of another precision.")
 @click.option("--ref-codes", type=click.Path(path_type=Path), help="Voice clone: reference audio codes [T,8] (.npy).")
-@click.option("--ref-text", help="Voice clone: transcript of the reference audio.")
+@click.option("--ref-text", help="Voice clone: transcript of the reference audio (needs --ref-codes).")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 is greedy (argmax).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely codes (0: all).")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed: same seed, same audio.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed 0..2**63-1: same seed, same audio.")
 @click.option("--codes-out", type=click.Path(path_type=Path), help="Also save the final frames [T,8] (.npy).")
-@click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache length (torch backend).")
+@click.option("--max-seq", type=int, default=2048, show_default=True,
+              help="KV-cache length (torch backend from a checkpoint).")
 @click.option("--stream", is_flag=True, help="Write audio as it is decoded (time to first audio on stderr).")
 @click.option("--first-chunk", type=int, default=8, show_default=True, help="Frames (40 ms each) in the first chunk.")
 @click.option("--chunk", type=int, default=25, show_default=True, help="Frames in each later chunk.")
@@ -68,35 +84,42 @@ def _backend(name: str | None, checkpoint: Path | None, engine_dir: Path | None,
 @click.option("--holdback", type=int, help="Frames decoded after each chunk [default: the codec's receptive field].")
 @click.option("--first-holdback", type=int,
               help="Low latency: a smaller holdback for the first chunk only (its last samples are then not exact).")
-def run(text, out, engine, checkpoint, backend, device, precision, ref_codes, ref_text, temperature, top_k, top_p, seed,
-        codes_out, max_seq, stream, first_chunk, chunk, context, holdback, first_holdback):
-    """Speak TEXT into a wav file (or stream it)."""
+@click.pass_context
+def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_codes, ref_text, temperature, top_k, top_p,
+        seed, codes_out, max_seq, stream, first_chunk, chunk, context, holdback, first_holdback):
+    """Speak TEXT into a wav file (or stream it as it is decoded)."""
     import sys
 
-    from .decoding import Sampling
-    from .prompt import HiggsTokenizer, build_prompt, load_reference_codes
+    from .options import sampling
+    from .outputs import write_file
+    from .prompt import build_prompt, check_text, load_reference_codes
     from .scheduler import Scheduler, request_for
     from .sinks import PcmSink, WavSink
-    from .wav import SAMPLE_RATE, check_writable, write_atomic, write_wav
+    from .wav import SAMPLE_RATE, write_wav
 
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise HiggsError("need temperature ≥ 0, top-k ≥ 0 and 0 < top-p ≤ 1")
+    settings = sampling(temperature, top_k, top_p, seed)
+    check_text(text)
+    if ref_text is not None:
+        if ref_codes is None:
+            raise HiggsError("--ref-text needs --ref-codes (the transcript of which reference audio?)")
+        check_text(ref_text, "reference text")
     to_stdout = str(out) == "-"
     if to_stdout and not stream:
         raise HiggsError("--out - (raw PCM on stdout) needs --stream")
-    for path in ([] if to_stdout else [out]) + ([codes_out] if codes_out else []):
-        check_writable(path)
+    inputs = (checkpoint, engine, ref_codes)
+    check_outputs(None if to_stdout else out, codes_out, inputs)
+    plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     ref = load_reference_codes(ref_codes) if ref_codes else None
 
     t0 = time.perf_counter()
-    model, tokenizer_path = _backend(backend, checkpoint, engine, max_seq, device, precision)
-    plan = stream_plan(model.codec_strides, first_chunk, chunk, context, holdback, first_holdback)
-    prompt = build_prompt(HiggsTokenizer(tokenizer_path), text, ref, ref_text)
+    _, model, tokenizer = _engine(ctx, backend, engine, checkpoint, device, precision, max_seq)
+    plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
+    prompt = build_prompt(tokenizer, text, ref, ref_text)
+    request = request_for(model, prompt, settings)
     say(f"loaded {model.name} backend in {time.perf_counter() - t0:.1f} s; prompt of {len(prompt)} tokens")
 
-    sink = (PcmSink(sys.stdout.buffer) if to_stdout else WavSink(out)) if stream else None
-    request = request_for(model, prompt, Sampling(temperature, top_k, top_p, seed),
-                          on_chunk=sink.write if sink else None)
+    sink = (PcmSink(sys.stdout.buffer) if to_stdout else WavSink(out, inputs)) if stream else None
+    request.on_chunk = sink.write if sink else None
     scheduler = Scheduler(model, plan)
     try:
         scheduler.submit(request)
@@ -108,8 +131,8 @@ def run(text, out, engine, checkpoint, backend, device, precision, ref_codes, re
     u = request.utterance
     seconds = len(u.frames()) * 960 / SAMPLE_RATE
     wall = request.finished_at - request.submitted_at
-    first = f"first audio after {1e3 * (request.first_audio_at - request.submitted_at):.0f} ms, " \
-        if request.first_audio_at else ""
+    first = (f"first audio after {1e3 * (request.first_audio_at - request.submitted_at):.0f} ms, "
+             if request.first_audio_at else "")
     say(f"decoded {len(u.rows)} rows → {len(u.frames())} frames, {seconds:.2f} s of audio (stopped by "
         f"{u.stop_reason}); {first}{wall:.2f} s in all, real-time factor {wall / max(seconds, 1e-9):.3f}")
 
@@ -118,24 +141,25 @@ def run(text, out, engine, checkpoint, backend, device, precision, ref_codes, re
             with open(tmp, "wb") as f:
                 np.save(f, u.frames())
 
-        write_atomic(codes_out, save_codes)
+        write_file(codes_out, save_codes, inputs)
     if sink:
         sink.close()
         clipped = sink.clipped
     else:
-        clipped = write_wav(out, request.audio())
+        clipped = write_wav(out, request.audio(), inputs=inputs)
     say(f"wrote {'stdout' if to_stdout else out}" + (f" ({clipped} samples clipped to ±1)" if clipped else ""))
 
 
-def stream_plan(strides, first_chunk: int, chunk: int, context: int | None, holdback: int | None,
-                first_holdback: int | None):
+def stream_plan(first_chunk: int, chunk: int, context: int | None, holdback: int | None, first_holdback: int | None,
+                strides=(8, 5, 4, 2, 3), warn: bool = False):
     """Codec windows: exact by default (context and holdback from the decoder's receptive field)."""
     from .streaming import StreamPlan, receptive_field
 
     left, right = receptive_field(tuple(strides))
     plan = StreamPlan(left if context is None else context, right if holdback is None else holdback, first_chunk,
                       chunk, first_holdback)
-    if plan.left < left or plan.right < right or plan.first_right is not None and plan.first_right < right:
+    short = plan.left < left or plan.right < right or plan.first_right is not None and plan.first_right < right
+    if warn and short:
         say(f"note: context {plan.left} / holdback {plan.right}"
             + (f" / first holdback {plan.first_right}" if plan.first_right is not None else "")
             + f" frames is less than the codec's receptive field ({left} / {right}): chunk seams are not exact")
@@ -147,20 +171,25 @@ def bench():
     """Benchmarks that print figures: decode loop, streaming, export memory, BF16 vs FP8 builds, kernels."""
 
 
-def _bench_engine(backend, checkpoint, engine, device, max_seq, max_batch, precision, placeholder_scales):
-    """The engine a benchmark times; --placeholder-scales times FP8 from a checkpoint without calibrating."""
-    if placeholder_scales:
-        if not checkpoint or engine or precision != "fp8":
-            raise HiggsError("--placeholder-scales times FP8 speed from a --checkpoint (with --precision fp8)")
-        from higgs_trt.builder.checkpoint import Checkpoint
-        from higgs_trt.builder.gpu_engine import load_gpu_engine
+def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, precision, placeholder_scales):
+    """(engine, tokenizer) a benchmark times; --placeholder-scales times FP8 from a checkpoint without calibrating
+    (the scales do not change the work, only the numbers)."""
+    if not placeholder_scales:
+        _, model, tokenizer = _engine(ctx, backend, engine, checkpoint, device, precision, max_seq, max_batch)
+        return model, tokenizer
+    if not checkpoint or engine or precision != "fp8":
+        raise HiggsError("--placeholder-scales times FP8 speed from a --checkpoint (with --precision fp8)")
+    from higgs_trt.builder.gpu_engine import load_gpu_engine
 
-        ckpt = Checkpoint(checkpoint)
-        amax = {f"body.layers.{i}.{site}": 4.0 for i in range(ckpt.config.num_layers)
-                for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
-        return load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(512, max_seq // 2),
-                               act_amax=amax, say=say), checkpoint / "tokenizer.json"
-    return _backend(backend, checkpoint, engine, max_seq, device, precision, max_batch)
+    from .engines import load_tokenizer, open_sources
+
+    sources = open_sources("torch", None, checkpoint, precision, max_seq)
+    ckpt = sources.checkpoint
+    amax = {f"body.layers.{i}.{site}": 4.0 for i in range(ckpt.config.num_layers)
+            for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
+    model = load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(512, max_seq // 2),
+                            act_amax=amax, say=say)
+    return model, load_tokenizer(sources)
 
 
 def bench_options(command):
@@ -174,29 +203,45 @@ def bench_options(command):
                      help="FP8 speed from a checkpoint with unit activation scales instead of calibrating (timing only)."),
         click.option("--text", default="The quick brown fox jumps over the lazy dog, twice, and then once more.",
                      show_default=True),
-        click.option("--max-seq", type=int, default=2048, show_default=True, help="KV-cache length (torch backend)."),
+        click.option("--max-seq", type=int, default=2048, show_default=True,
+                     help="KV-cache length (torch backend from a checkpoint)."),
         click.option("--rows", type=int, default=250, show_default=True,
                      help="Rows per request at most (random weights rarely emit EOC: this fixes the length)."),
+        click.pass_context,
     ]):
         command = option(command)
     return command
 
 
+def _sizes(option: str, text: str, high: int) -> list[int]:
+    from .options import within
+
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise HiggsError(f"{option} takes comma-separated integers, got {text!r}") from None
+    return [within(option, v, 1, high) for v in values]
+
+
 @bench.command("decode")
 @bench_options
-@click.option("--batches", default="1,8,64", show_default=True, help="Batch sizes (GPU engine) or prompts decoded together.")
+@click.option("--batches", default="1,8,64", show_default=True,
+              help="Batch sizes (GPU engine: one figure each; host-driven engines: the largest, prompts decoded together).")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs (host-driven engines).")
-def bench_decode(engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows, batches,
+def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows, batches,
                  repeats):
     """Time the decode loop. GPU engine: ms per step by batch size, host µs per row, audio-s/s, time to first audio,
     peak memory, ratio to the weight-read floor. Host-driven engines: ms per step, host overhead, codec, RTF."""
     from .decoding import Sampling
-    from .prompt import HiggsTokenizer, build_prompt
+    from .options import within
+    from .prompt import build_prompt
 
-    sizes = [int(b) for b in batches.split(",")]
-    model, tokenizer_path = _bench_engine(backend, checkpoint, engine, device, max_seq, max(sizes), precision,
-                                          placeholder_scales)
-    prompt = build_prompt(HiggsTokenizer(tokenizer_path), text)
+    sizes = _sizes("--batches", batches, 512)
+    within("--repeats", repeats, 1, 1000)
+    within("--rows", rows, 8, 2048)
+    model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(sizes), precision,
+                                     placeholder_scales)
+    prompt = build_prompt(tokenizer, text)
     say(f"{model.name} backend, prompt of {len(prompt)} tokens, at most {rows} rows")
     if model.name == "torch-cuda":
         from higgs_trt.builder.gpu_bench import bench_decode as gpu_bench_decode
@@ -205,8 +250,9 @@ def bench_decode(engine, checkpoint, backend, device, precision, placeholder_sca
         return
     from .bench import run_bench
 
+    within("--batches", max(sizes), 1, model.max_batch, "the engine's slots")
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
-        click.echo(run_bench(model, [prompt] * min(max(sizes), model.max_batch), sampling, repeats).line())
+        click.echo(run_bench(model, [prompt] * max(sizes), sampling, repeats).line())
 
 
 @bench.command("stream")
@@ -214,22 +260,24 @@ def bench_decode(engine, checkpoint, backend, device, precision, placeholder_sca
 @click.option("--concurrency", default="1,8,64", show_default=True, help="Closed-loop clients, one figure each.")
 @click.option("--requests", type=int, default=0, help="Requests per concurrency level [default: 2 × concurrency].")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
-def bench_stream(engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows, concurrency,
-                 requests, temperature):
+def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows,
+                 concurrency, requests, temperature):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level."""
     from .bench import bench_stream as run_stream
-    from .decoding import Sampling
-    from .prompt import HiggsTokenizer, build_prompt
+    from .options import sampling, within
+    from .prompt import build_prompt
 
-    levels = [int(c) for c in concurrency.split(",")]
-    model, tokenizer_path = _bench_engine(backend, checkpoint, engine, device, max_seq, max(levels), precision,
-                                          placeholder_scales)
-    prompt = build_prompt(HiggsTokenizer(tokenizer_path), text)
+    levels = _sizes("--concurrency", concurrency, 4096)
+    within("--rows", rows, 8, 2048)
+    within("--requests", requests, 0, 100_000)
+    settings = sampling(temperature, 0, 1.0, 0)
+    model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
+                                     placeholder_scales)
+    prompt = build_prompt(tokenizer, text)
     say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens, {rows} rows per request")
-    run_stream(model, prompt, 1, 1, rows, Sampling(temperature, seed=0))  # warm-up
+    run_stream(model, prompt, 1, 1, rows, settings)  # warm-up
     for c in levels:
-        figures = run_stream(model, prompt, c, requests or 2 * c, rows, Sampling(temperature, seed=0))
-        click.echo(figures.line())
+        click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings).line())
 
 
 @main.command()

@@ -1,13 +1,15 @@
-"""Opening a decode engine for `run`, `bench` and `serve`: which backend runs which files.
+"""Opening a decode engine for `run`, `bench` and `serve`: which backend runs which files, and the checks on the way.
 
 - ort:   ONNX Runtime on the engine directory's fp32 twin (CPU), host-driven (runtime/stepper.py)
 - trt:   TensorRT on the engine directory's plans (GPU), host-driven
 - torch: on a CUDA GPU, the GPU engine (builder/gpu_engine.py) from the engine directory's weights.bin or from a
          checkpoint; on the CPU, the fp32 torch reference from a checkpoint (host-driven)
 
-An engine directory given with a checkpoint must have been built from it.
+An engine directory given with a checkpoint must have been built from it. Options that do not apply to the chosen
+backend are refused, not ignored.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import extras
@@ -15,54 +17,98 @@ from .errors import HiggsError
 from .manifest import EngineDir
 from .stepper import HostStepper
 
+DEVICES = {"torch": ("auto", "cpu", "cuda"), "ort": ("auto", "cpu"), "trt": ("auto", "cuda", "lean")}
 
-def open_engine(backend: str | None, checkpoint: Path | None, engine_dir: Path | None, *, device: str = "auto",
-                max_seq: int = 2048, max_batch: int = 1, precision: str | None = None, say=lambda msg: None):
-    """(engine, tokenizer.json path)."""
-    if checkpoint is None and engine_dir is None:
+
+@dataclass
+class Sources:
+    backend: str
+    engine: EngineDir | None
+    checkpoint: object | None  # builder.checkpoint.Checkpoint (needs the builder extra)
+
+
+def choose_backend(name: str | None, engine: Path | None, checkpoint: Path | None, device: str,
+                   options: set[str]) -> str:
+    """The backend to use; `options` are the ones the user set (the rest are defaults)."""
+    if checkpoint is None and engine is None:
         raise HiggsError("give --engine DIR (an exported engine directory) or --checkpoint DIR (torch backend)")
+    name = name or ("ort" if engine else "torch")
+    if name != "torch" and engine is None:
+        raise HiggsError(f"--backend {name} needs --engine")
+    if "max_seq" in options and (name != "torch" or engine is not None):
+        raise HiggsError(f"--max-seq applies to --backend torch from a --checkpoint only; an engine directory keeps "
+                         "the cache length it was exported with")
+    if device not in DEVICES[name]:
+        raise HiggsError(f"--device {device} does not apply to --backend {name} (it takes {', '.join(DEVICES[name])})")
+    return name
+
+
+def open_sources(backend: str, engine_dir: Path | None, checkpoint: Path | None, precision: str | None,
+                 max_seq: int) -> Sources:
+    """The engine directory and checkpoint, verified and checked against each other; no weights are read yet."""
+    from .options import within
+
     engine = EngineDir(engine_dir) if engine_dir else None
     if engine and precision and engine.manifest["precision"] != precision:
         raise HiggsError(f"{engine_dir} holds {engine.manifest['precision']} engines, not {precision}")
     ckpt = None
     if checkpoint:
-        with extras.needed("builder", f"--checkpoint with --backend {backend or 'torch'}"):
+        with extras.needed("builder", f"--checkpoint with --backend {backend}"):
             from higgs_trt.builder.checkpoint import Checkpoint
         ckpt = Checkpoint(checkpoint)
         if engine:
             engine.check_checkpoint(ckpt.fingerprint(), checkpoint)
-    backend = backend or ("ort" if engine else "torch")
-    tokenizer = (engine.path if engine else Path(checkpoint)) / "tokenizer.json"
-    if backend == "torch":
-        return _torch(engine, ckpt, checkpoint, device, max_seq, max_batch, precision, say), tokenizer
-    if engine is None:
-        raise HiggsError(f"--backend {backend} needs --engine")
-    if backend == "trt":
+        elif backend == "torch":
+            within("--max-seq", max_seq, 16, ckpt.config.max_position_embeddings, "the model's max_position_embeddings")
+    return Sources(backend, engine, ckpt)
+
+
+def load_tokenizer(sources: Sources):
+    """The tokenizer of the engine (else the checkpoint), checked against the model's text vocabulary."""
+    from .prompt import HiggsTokenizer
+
+    if sources.engine:
+        return HiggsTokenizer(sources.engine.path / "tokenizer.json", sources.engine.manifest["model"]["text_vocab_size"])
+    return HiggsTokenizer(sources.checkpoint.dir / "tokenizer.json", sources.checkpoint.config.text_vocab_size)
+
+
+def check_prompt_fits(prompt, engine: EngineDir | None) -> None:
+    """An engine's prefill takes at most the max-prompt it was exported with."""
+    limit = engine.manifest["limits"]["max_prompt"] if engine else None
+    if limit is not None and len(prompt) > limit:
+        raise HiggsError(f"text too long: the prompt takes {len(prompt)} tokens, the engine's prefill takes at most "
+                         f"{limit} (its --max-prompt)")
+
+
+def open_engine(sources: Sources, *, device: str = "auto", max_seq: int = 2048, max_batch: int = 1,
+                precision: str | None = None, say=lambda msg: None):
+    """The slot engine the scheduler drives (runtime/scheduler.py)."""
+    engine = sources.engine
+    if sources.backend == "torch":
+        return _torch(engine, sources.checkpoint, device, max_seq, max_batch, precision, say)
+    if sources.backend == "trt":
         from .trt_backend import TrtBackend
 
-        return HostStepper(TrtBackend(engine, "lean" if device == "lean" else "tensorrt")), tokenizer
-    if device not in ("auto", "cpu"):
-        raise HiggsError(f"--backend ort runs on the CPU (--device {device} does not apply); on a GPU use "
-                         "--backend trt or --backend torch")
+        return HostStepper(TrtBackend(engine, "lean" if device == "lean" else "tensorrt"))
     with extras.needed("ort", "--backend ort"):
         from .ort_backend import OrtBackend
-    return HostStepper(OrtBackend(engine, max_batch=max_batch)), tokenizer
+    return HostStepper(OrtBackend(engine, max_batch=max_batch))
 
 
-def _torch(engine: EngineDir | None, ckpt, checkpoint: Path | None, device: str, max_seq: int, max_batch: int,
-           precision: str | None, say):
+def _torch(engine: EngineDir | None, ckpt, device: str, max_seq: int, max_batch: int, precision: str | None, say):
     with extras.needed("builder", "--backend torch"):
         import torch
-    if device == "lean":
-        raise HiggsError("--device lean applies to --backend trt")
-    cuda = torch.cuda.is_available() and device != "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise HiggsError("--device cuda: torch sees no CUDA GPU here")
-    if not cuda:
+        raise HiggsError("--device cuda needs torch built with CUDA and an NVIDIA GPU")
+    if device == "cpu" or not torch.cuda.is_available():
         if ckpt is None:
-            raise HiggsError("--backend torch on the CPU runs the reference model: it needs --checkpoint")
-        if precision == "fp8":
-            raise HiggsError("--backend torch on the CPU is the fp32 reference; FP8 runs on a GPU")
+            raise HiggsError("--backend torch on the CPU runs the fp32 reference model: it needs --checkpoint")
+        if engine is not None:
+            raise HiggsError("--engine does not apply to --backend torch on the CPU (the fp32 reference runs "
+                             "--checkpoint's weights); the GPU engine runs an engine directory")
+        if precision is not None:
+            raise HiggsError("--precision does not apply to --backend torch on the CPU (the fp32 reference); "
+                             "BF16 and FP8 run on a GPU")
         from higgs_trt.builder.torch_backend import TorchBackend
 
         return HostStepper(TorchBackend(ckpt, max_seq=max_seq, max_batch=max_batch))
@@ -71,23 +117,18 @@ def _torch(engine: EngineDir | None, ckpt, checkpoint: Path | None, device: str,
     amax = None
     if engine is not None:
         from higgs_trt.builder.engine_weights import EngineWeights
+        from higgs_trt.calibration.calibrate import load_calibration
 
         source, limits = EngineWeights(engine), engine.manifest["limits"]
-        max_seq, max_prompt = limits["max_seq"], limits["max_prompt"]
-        max_batch = min(max_batch, limits["max_batch"])
+        max_seq, max_prompt, max_batch = limits["max_seq"], limits["max_prompt"], min(max_batch, limits["max_batch"])
         if engine.manifest["precision"] == "fp8":
-            amax = _calibration(engine.path / engine.manifest["calibration"]["file"], engine.fingerprint)
+            calibration = engine.path / engine.manifest["calibration"]["file"]
+            amax = load_calibration(calibration, engine.fingerprint)["activation_amax"]
     else:
         source, max_prompt = ckpt, min(512, max_seq // 2)
         if precision == "fp8":
             from higgs_trt.calibration.calibrate import calibrate
 
             say("calibrating FP8 scales on the built-in prompt set…")
-            amax = calibrate(checkpoint, device="cuda")["activation_amax"]
+            amax = calibrate(ckpt.dir, device="cuda")["activation_amax"]
     return load_gpu_engine(source, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=amax, say=say)
-
-
-def _calibration(path: Path, fingerprint: str) -> dict:
-    from higgs_trt.calibration.calibrate import load_calibration
-
-    return load_calibration(path, fingerprint)["activation_amax"]

@@ -8,8 +8,6 @@ content, so a hand-edited manifest or a file swapped in from another export is r
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -59,15 +57,30 @@ def write_manifest(directory: Path, manifest: dict, files: list[str]) -> None:
     os.replace(tmp, directory / MANIFEST)
 
 
-def publish(staging: Path, target: Path) -> None:
-    """Move a finished staging directory into place; an older directory at `target` is replaced whole."""
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old."))
-        os.replace(target, old / target.name)
-    os.replace(staging, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _malformed(m: dict) -> str | None:
+    """What a sealed manifest lacks that the runtime reads (a seal proves the content unchanged, not well-formed)."""
+    files = m.get("files")
+    if not isinstance(files, dict) or not all(isinstance(d, dict) for d in files.values()):
+        return "no file list"
+    outside = [n for n in files if n in ("", ".", "..") or "/" in n or "\\" in n]
+    if outside:
+        return f"names file(s) outside its directory: {', '.join(outside[:3])}"
+    limits = m.get("limits")
+    if not isinstance(limits, dict) or not all(type(limits.get(k)) is int and limits[k] > 0
+                                               for k in ("max_seq", "max_batch", "max_prompt")):
+        return "no valid limits"
+    checkpoint = m.get("checkpoint")
+    if m.get("precision") not in ("bf16", "fp8") or not (isinstance(checkpoint, dict)
+                                                         and isinstance(checkpoint.get("fingerprint"), str)):
+        return "no valid precision or checkpoint fingerprint"
+    if not isinstance(m.get("model"), dict) or type(m["model"].get("text_vocab_size")) is not int:
+        return "no model dimensions"
+    graphs = m.get("graphs")
+    if not isinstance(graphs, dict) or not all(
+            isinstance(g, dict) and g.get("file") in files and isinstance(g.get("inputs"), list)
+            and isinstance(g.get("outputs"), list) for g in graphs.values()):
+        return "no valid graph list"
+    return None
 
 
 class EngineDir:
@@ -87,9 +100,12 @@ class EngineDir:
             raise HiggsError(f"{file}: format {m.get('format') if isinstance(m, dict) else None!r} is not {FORMAT}; re-export")
         if m.get("manifest_sha256") != _seal(m):
             raise HiggsError(f"{file}: has been edited by hand (its seal does not match); re-export the engine directory")
+        problem = _malformed(m)
+        if problem:
+            raise HiggsError(f"{file}: {problem}; re-export the engine directory")
         for name, digest in m["files"].items():
             path = self.path / name
-            if not path.exists():
+            if not path.is_file():
                 raise HiggsError(f"{self.path}: {name} is missing")
             if file_digest(path) != digest:
                 raise HiggsError(f"{self.path}: {name} does not match the manifest (changed, or copied from another export)")

@@ -39,7 +39,10 @@ class OrtBackend:
         self.binding = self.lm_session.io_binding()
 
     def _session(self, engine: EngineDir, graph: str, options, providers):
-        session = self._ort.InferenceSession(str(engine.file(graph)), options, providers=providers)
+        try:
+            session = self._ort.InferenceSession(str(engine.file(graph)), options, providers=providers)
+        except Exception as e:  # onnxruntime's own exception types; a sealed manifest does not prove a loadable graph
+            raise HiggsError(f"{engine.file(graph)}: ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
         expected = engine.graph(graph)
         for kind, actual in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
             got = [t.name for t in actual]

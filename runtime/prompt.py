@@ -5,9 +5,16 @@ clone:      <|tts|> [<|ref_text|> ref_text] <|ref_audio|> ref_rows×(T+7) <|text
 
 Special ids always come from the tokenizer's added vocabulary, never from constants. Reference-audio positions
 carry a delayed row of codes each (`is_audio`); their token id is 0, a valid id the graph ignores there.
+
+User text (CLI, compare's prompt files, the server) is checked here, once for every caller: valid Unicode without
+control characters, and no token that builds prompt structure. Of the tokenizer's added tokens only the inline
+style tags may appear in text (`INLINE_TAG`: <|emotion:…|>, <|prosody:…|>, <|style:…|>, <|sfx:…|>); <|tts|>,
+<|text|>, <|audio|>, <|audio_end|>, <|eoc|>, <|ref_text|>, <|ref_audio|>, <|text_end|>, <|endoftext|> and any
+other added token are refused, so text cannot forge a prompt.
 """
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +26,28 @@ from .errors import HiggsError
 TTS, TEXT, AUDIO, REF_TEXT, REF_AUDIO = "<|tts|>", "<|text|>", "<|audio|>", "<|ref_text|>", "<|ref_audio|>"
 REQUIRED_SPECIALS = (TTS, TEXT, AUDIO)
 CONTROL_TAG = re.compile(r"<\|[^<>|\s]+\|>")
+INLINE_TAG = re.compile(r"<\|(?:emotion|prosody|style|sfx):[^<>|\s]+\|>")  # the added tokens user text may hold
+TEXT_WHITESPACE = "\t\n\r"  # the only control characters text may hold
+
+
+def is_inline_tag(token: str) -> bool:
+    return INLINE_TAG.fullmatch(token) is not None
+
+
+def check_text(text, what: str = "text") -> str:
+    """Text as a user gave it, refused unless it is a non-empty str of valid Unicode without control characters
+    (argv bytes that are not UTF-8 arrive as lone surrogates and are refused here)."""
+    if not isinstance(text, str):
+        raise HiggsError(f"{what} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise HiggsError(f"{what} is empty")
+    for i, ch in enumerate(text):
+        kind = unicodedata.category(ch)
+        if kind == "Cs":
+            raise HiggsError(f"{what} is not valid UTF-8 (undecodable byte or lone surrogate at character {i})")
+        if kind == "Cc" and ch not in TEXT_WHITESPACE:
+            raise HiggsError(f"{what} contains the control character U+{ord(ch):04X} at character {i}")
+    return text
 
 
 @dataclass(frozen=True)
@@ -33,7 +62,10 @@ class Prompt:
 
 
 class HiggsTokenizer:
-    def __init__(self, path: Path):
+    """tokenizer.json with the Higgs special tokens; with `vocab_size` (the model's text vocabulary), every id it
+    can produce is checked to lie inside it."""
+
+    def __init__(self, path: Path, vocab_size: int | None = None):
         from tokenizers import Tokenizer
 
         try:
@@ -44,7 +76,15 @@ class HiggsTokenizer:
         missing = [s for s in REQUIRED_SPECIALS if s not in self.specials]
         if missing:
             raise HiggsError(f"{path}: tokenizer lacks the Higgs special token(s) {', '.join(missing)}")
+        self.structural = {i: t for t, i in self.specials.items() if not is_inline_tag(t)}
         self.unk_id = self._tok.token_to_id(self._tok.model.unk_token) if getattr(self._tok.model, "unk_token", None) else None
+        if vocab_size is not None:
+            outside = sorted(((t not in self.specials, i), t) for t, i in self._tok.get_vocab(with_added_tokens=True).items()
+                             if i >= vocab_size)  # added tokens first: they are the usual culprits
+            if outside:
+                names = ", ".join(f"{t} ({i})" for (_, i), t in outside[:5]) + (" …" if len(outside) > 5 else "")
+                raise HiggsError(f"{path}: {len(outside)} token id(s) lie outside the model's text vocabulary of "
+                                 f"{vocab_size}: {names}")
 
     def special(self, token: str) -> int:
         if token not in self.specials:
@@ -52,12 +92,15 @@ class HiggsTokenizer:
         return self.specials[token]
 
     def encode(self, text: str, what: str = "text") -> list[int]:
-        if not text or not text.strip():
-            raise HiggsError(f"{what} is empty")
+        check_text(text, what)
         unknown = sorted({tag for tag in CONTROL_TAG.findall(text) if tag not in self.specials})
         if unknown:
             raise HiggsError(f"{what} uses unknown control tag(s) {', '.join(unknown)}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
+        forged = sorted({self.structural[i] for i in ids if i in self.structural})
+        if forged:
+            raise HiggsError(f"{what} may not contain the prompt token(s) {', '.join(forged)} "
+                             "(only inline style tags like <|emotion:…|> are allowed)")
         if self.unk_id is not None and self.unk_id in ids:
             raise HiggsError(f"{what} contains characters the tokenizer cannot encode")
         return ids
@@ -67,14 +110,24 @@ def load_reference_codes(path: Path) -> np.ndarray:
     """Reference audio codes [T, 8] (0..1023) from a .npy file."""
     try:
         codes = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         raise HiggsError(f"{path}: cannot read reference codes ({e})") from None
+    return check_reference_codes(codes, str(path))
+
+
+def check_reference_codes(codes, what: str) -> np.ndarray:
+    """Reference audio codes as an int32 array [T, 8] of 0..1023, refused otherwise (`what` names their source)."""
+    try:
+        codes = np.asarray(codes)
+    except (ValueError, TypeError):
+        codes = np.asarray(None)
     if codes.ndim != 2 or codes.shape[1] != NUM_CODEBOOKS or codes.shape[0] == 0:
-        raise HiggsError(f"{path}: reference codes must have shape [T, {NUM_CODEBOOKS}] with T ≥ 1, got {list(codes.shape)}")
+        raise HiggsError(f"{what}: reference codes must have shape [T, {NUM_CODEBOOKS}] with T ≥ 1, got "
+                         f"{list(codes.shape) if codes.dtype != object else 'a ragged or non-numeric list'}")
     if not np.issubdtype(codes.dtype, np.integer):
-        raise HiggsError(f"{path}: reference codes must be integers, got {codes.dtype}")
+        raise HiggsError(f"{what}: reference codes must be integers, got {codes.dtype}")
     if codes.min() < 0 or codes.max() >= CODEBOOK_SIZE:
-        raise HiggsError(f"{path}: reference codes must lie in 0..{CODEBOOK_SIZE - 1}")
+        raise HiggsError(f"{what}: reference codes must lie in 0..{CODEBOOK_SIZE - 1}")
     return codes.astype(np.int32)
 
 

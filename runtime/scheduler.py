@@ -61,7 +61,7 @@ class Request:
 def request_for(engine, prompt: Prompt, sampling: Sampling, hard_cap: int = HARD_CAP_ROWS, **callbacks) -> Request:
     """A request whose row cap fits the text and the engine's cache; refused if the prompt leaves too little room."""
     if len(prompt) > engine.max_prompt:
-        raise HiggsError(f"text too long: the prompt takes {len(prompt)} tokens; this engine's prefill takes at most "
+        raise HiggsError(f"text too long: the prompt takes {len(prompt)} tokens, the engine's prefill takes at most "
                          f"{engine.max_prompt}")
     room = engine.max_seq - len(prompt)
     if room < MIN_ROWS:

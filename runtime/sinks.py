@@ -5,25 +5,16 @@ PCM is 24 kHz mono signed 16-bit little-endian. A growing wav is written under a
 half-written file under the final name.
 """
 
-import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .errors import HiggsError
-from .wav import SAMPLE_RATE
+from .outputs import commit, partial_file
+from .wav import SAMPLE_RATE, pcm16
 
 WAV_HEADER = 44
 UNKNOWN_SIZE = 0xFFFFFFFF  # the RIFF and data sizes of a wav whose length is not known yet (streamed over HTTP)
-
-
-def pcm16(samples: np.ndarray) -> tuple[bytes, int]:
-    """Float samples in [-1, 1] → s16le bytes, and how many samples had to be clipped."""
-    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
-    clipped = int(np.count_nonzero(np.abs(samples) > 1.0))
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes(), clipped
 
 
 def wav_header(data_bytes: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
@@ -58,11 +49,10 @@ class PcmSink:
 class WavSink:
     """A wav file written as it grows, under a temporary name until `close()` renames it into place."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=self.path.resolve().parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        self.tmp = Path(tmp)
-        self.file = os.fdopen(fd, "wb")
+    def __init__(self, path: Path, inputs=()):
+        self.path, self.inputs = Path(path), inputs
+        _, self.tmp = partial_file(self.path, inputs)
+        self.file = open(self.tmp, "wb")
         self.file.write(wav_header(0))
         self.samples, self.clipped = 0, 0
 
@@ -74,14 +64,10 @@ class WavSink:
         self.clipped += clipped
 
     def close(self) -> None:
-        try:
-            self.file.seek(0)
-            self.file.write(wav_header(2 * self.samples))
-            self.file.close()
-            os.replace(self.tmp, self.path)
-        except OSError as e:
-            self.abort()
-            raise HiggsError(f"{self.path}: cannot write ({e.strerror or e})") from None
+        self.file.seek(0)
+        self.file.write(wav_header(2 * self.samples))
+        self.file.close()
+        commit(self.tmp, self.path, self.inputs)
 
     def abort(self) -> None:
         if not self.file.closed:

@@ -133,3 +133,30 @@ def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path):
     again = write_random_checkpoint(tmp_path / "again", seed=0)
     for f in sorted(p.name for p in tiny_ckpt.iterdir()):
         assert (tiny_ckpt / f).read_bytes() == (again / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_named_in_every_float_dtype(tiny_copy, dtype, value):
+    name = "body.layers.1.mlp.up_proj.weight"
+
+    def edit(t):
+        x = t[name].to(dtype)
+        x.view(-1)[-1] = value  # the last element: the chunked reader must reach the end of the tensor
+        t[name] = x
+    rewrite_shard(tiny_copy, edit)
+    ckpt = Checkpoint(tiny_copy)
+    with pytest.raises(HiggsError, match=f"tensor {name} holds inf or NaN values"):
+        HiggsLM.from_checkpoint(ckpt, 16)
+    ckpt.check_finite([n for n in ckpt.names() if n != name and ckpt.dtype(n) == "BF16"])  # the mapping was released
+
+
+def test_largest_finite_values_pass(tiny_copy):
+    name = "body.layers.1.mlp.up_proj.weight"
+
+    def edit(t):
+        x = t[name].clone()
+        x.view(-1)[:2] = torch.tensor([torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max])
+        t[name] = x
+    rewrite_shard(tiny_copy, edit)
+    HiggsLM.from_checkpoint(Checkpoint(tiny_copy), 16)

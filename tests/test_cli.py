@@ -33,7 +33,7 @@ def test_tiny_checkpoint_then_torch_run_writes_a_wav(tiny_ckpt, tmp_path):
     with wave.open(str(out)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
         assert w.getnframes() == 960 * len(frames)
-    assert not list(tmp_path.glob(".*tmp"))
+    assert not list(tmp_path.glob(".*higgs-trt-*"))
 
 
 def test_seeded_sampling_is_reproducible(tiny_ckpt, tmp_path):
@@ -52,7 +52,7 @@ def bad(tmp_path, *args, message):
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], r.stderr
     assert "Traceback" not in r.stderr
-    assert not out.exists() and not list(tmp_path.glob(".*tmp"))
+    assert not out.exists() and not list(tmp_path.glob(".*higgs-trt-*"))
 
 
 def test_missing_tensor(tiny_copy, tmp_path):

@@ -46,10 +46,35 @@ def test_inline_control_tags_are_single_tokens(tok):
     assert tok.special("<|emotion:elation|>") in ids
 
 
-@pytest.mark.parametrize("text, message", [("", "empty"), ("   ", "empty"), ("hi <|emotion:rage|>", "unknown control tag")])
+@pytest.mark.parametrize("text, message", [
+    ("", "empty"), ("   ", "empty"), ("hi <|emotion:rage|>", "unknown control tag"),
+    ("say <|audio|> now", r"may not contain the prompt token\(s\) <\|audio\|>"),
+    ("<|eoc|><|endoftext|>", r"<\|endoftext\|>, <\|eoc\|>"), ("bad \udcff byte", "not valid UTF-8"),
+    ("bell \x07", "control character U\\+0007"), (b"bytes", "must be a string"),
+])
 def test_bad_text(tok, text, message):
     with pytest.raises(HiggsError, match=message):
         build_prompt(tok, text)
+
+
+def test_reference_text_is_checked_too(tok):
+    with pytest.raises(HiggsError, match="reference text may not contain"):
+        build_prompt(tok, "fine", np.zeros((2, 8), np.int32), ref_text="<|ref_audio|>")
+
+
+def test_inline_style_tags_are_the_only_added_tokens_text_may_hold(tiny_ckpt):
+    from higgs_trt.runtime.prompt import HiggsTokenizer, is_inline_tag
+
+    tok = HiggsTokenizer(tiny_ckpt / "tokenizer.json", 448)
+    assert set(tok.structural.values()) == {"<|endoftext|>", "<|tts|>", "<|audio|>", "<|audio_end|>", "<|text|>",
+                                            "<|text_end|>", "<|eoc|>", "<|ref_audio|>", "<|ref_text|>"}
+    assert all(is_inline_tag(t) for t in ("<|emotion:elation|>", "<|prosody:pause|>", "<|style:calm|>", "<|sfx:laugh|>"))
+    assert not any(is_inline_tag(t) for t in ("<|audio|>", "<|emotion|>", "<|emotion:|>", "<|mood:x|>", "<|emotion:a b|>"))
+
+
+def test_token_ids_outside_the_model_vocabulary_are_refused(tiny_ckpt):
+    with pytest.raises(HiggsError, match=r"outside the model's text vocabulary of 300: <\|tts\|> \(384\)"):
+        HiggsTokenizer(tiny_ckpt / "tokenizer.json", 300)
 
 
 def test_missing_special_token(tiny_copy):

@@ -1,0 +1,31 @@
+"""Range checks of a request's options, shared by the CLI and the server: one line naming the option, or the value."""
+
+import math
+
+from .decoding import Sampling
+from .errors import HiggsError
+
+MAX_SEED = 2**63 - 1
+# Below this the softmax of logits / T can overflow to inf (then NaN) in float64; 0 is the greedy setting.
+MIN_TEMPERATURE = 1e-5
+
+
+def sampling(temperature: float, top_k: int, top_p: float, seed: int) -> Sampling:
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise HiggsError(f"--temperature must be a finite number ≥ 0 (0 is greedy), got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise HiggsError(f"--temperature {temperature} is too small to sample with; use 0 (greedy) or ≥ {MIN_TEMPERATURE}")
+    if top_k < 0:
+        raise HiggsError(f"--top-k must be ≥ 0 (0 keeps every code), got {top_k}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise HiggsError(f"--top-p must lie in (0, 1] (1 is off), got {top_p}")
+    if not 0 <= seed <= MAX_SEED:
+        raise HiggsError(f"--seed must lie in 0..{MAX_SEED} (2**63 - 1), got {seed}")
+    return Sampling(temperature, top_k, top_p, seed)
+
+
+def within(option: str, value: int, low: int, high: int, why: str = "") -> int:
+    """An integer option in low..high, refused otherwise (`why` says where `high` comes from)."""
+    if not low <= value <= high:
+        raise HiggsError(f"{option} must lie in {low}..{high}{' (' + why + ')' if why else ''}, got {value}")
+    return value

@@ -1,0 +1,256 @@
+"""What a command may overwrite: one rule for every file and directory higgs-trt writes.
+
+- A file (wav, npy, json): a new path, or an existing regular file, which is replaced whole.
+- A directory (engine directory, `compare --save`, a random checkpoint): a new path, an empty directory, or a
+  directory holding only what that kind of command makes (an engine directory: a higgs-trt manifest.json and its
+  files), replaced whole. Rebuilding an engine needs no --force; a directory with anything else in it is refused.
+- Never an input of the same command, nor a path inside an input directory (the checkpoint, the engine), nor
+  (for a directory) one that contains an input.
+- Symlinks are followed: the rule applies to the path the link names, which is what gets replaced (the link
+  stays a link); a link that names nothing is refused.
+Anything else (a directory where a file goes, a device, a fifo, a socket) is refused with one line naming it.
+
+Nothing is ever partial under its final name: a file is written beside its target as
+`.NAME.higgs-trt-partial.PID.RANDOM` and renamed over it; a directory is built in
+`.NAME.higgs-trt-staging.PID.RANDOM` and swapped in (the replaced one passes through `.NAME.higgs-trt-old.…`).
+Such names left by a killed process (its PID gone) are removed by the next write of the same NAME.
+"""
+
+import os
+import re
+import shutil
+import stat
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from .errors import HiggsError
+
+TAG = "higgs-trt"
+KINDS = ("partial", "staging", "old")
+LIST_LIMIT = 5
+
+
+def _names(items) -> str:
+    items = sorted(items)
+    return ", ".join(items[:LIST_LIMIT]) + (f" and {len(items) - LIST_LIMIT} more" if len(items) > LIST_LIMIT else "")
+
+
+def _what_is(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _resolve(path: Path) -> Path:
+    """`path` with every symlink followed; a dangling link is refused."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise HiggsError(f"{path}: is a symlink to nothing ({os.readlink(path)}); give a real path")
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop on the way
+        raise HiggsError(f"{path}: cannot be resolved ({e})") from None
+
+
+def _check_inputs(path: Path, target: Path, inputs, directory: bool) -> None:
+    for given in inputs:
+        if given is None:
+            continue
+        source = _resolve(Path(given))
+        if target == source:
+            raise HiggsError(f"{path}: is an input of this command ({given}); write somewhere else")
+        if source in target.parents:
+            raise HiggsError(f"{path}: lies inside {given}, an input of this command; write somewhere else")
+        if directory and target in source.parents:
+            raise HiggsError(f"{path}: contains {given}, an input of this command; write somewhere else")
+
+
+def output_file(path: Path, inputs=()) -> Path:
+    """Check that `path` may be written as a file (see the module's rule); returns the path to write."""
+    target = _resolve(path)
+    _check_inputs(path, target, inputs, directory=False)
+    if not target.parent.is_dir():
+        raise HiggsError(f"{path}: directory {target.parent} does not exist")
+    if os.path.lexists(target):
+        mode = target.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise HiggsError(f"{path}: is {_what_is(mode)}, not a file; refusing to replace it")
+    if not os.access(target.parent, os.W_OK):
+        raise HiggsError(f"{path}: directory {target.parent} is not writable")
+    return target
+
+
+def output_dir(path: Path, what: str, foreign: Callable[[Path], str | None], inputs=()) -> Path:
+    """Check that `path` may be written as `what` (a directory); returns the path to write.
+
+    `foreign(existing)` says why an existing, non-empty directory is not one this kind of command made (None when
+    it is: it may be replaced)."""
+    target = _resolve(path)
+    _check_inputs(path, target, inputs, directory=True)
+    if os.path.lexists(target):
+        mode = target.stat().st_mode
+        if not stat.S_ISDIR(mode):
+            raise HiggsError(f"{path}: is {_what_is(mode)}, not {what}; refusing to replace it")
+        reason = foreign(target) if any(target.iterdir()) else None
+        if reason:
+            raise HiggsError(f"{path}: {reason}, so it is not {what} this command may replace; "
+                             f"move it away or write somewhere else")
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise HiggsError(f"{path}: cannot be created under {parent}")
+    return target
+
+
+# Files an engine directory holds besides those its manifest lists: the build's timing cache and plans (listed
+# once the build's manifest is written), and the hidden temp files of an interrupted write.
+ENGINE_EXTRAS = re.compile(r"timing\.cache|lm\.plan|codec\.plan|\..+\.(tmp|for-tensorrt\.onnx)")
+
+
+def output_engine_dir(path: Path, inputs=()) -> Path:
+    """Check that `path` may be written as an engine directory: new, empty, or one higgs-trt made (a manifest.json
+    of ours, and no file it does not list)."""
+    return output_dir(path, "an engine directory", _not_an_engine_dir, inputs)
+
+
+def _not_an_engine_dir(directory: Path) -> str | None:
+    import json
+
+    from .manifest import MANIFEST
+
+    try:
+        manifest = json.loads((directory / MANIFEST).read_bytes())
+        listed = set(manifest["files"]) if isinstance(manifest, dict) and "format" in manifest else None
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    if listed is None:
+        return f"holds no higgs-trt {MANIFEST}"
+    others = unexpected_entries(directory, lambda n: n in listed or n == MANIFEST or ENGINE_EXTRAS.fullmatch(n))
+    return f"holds files an engine directory does not ({_names(others)})" if others else None
+
+
+def unexpected_entries(directory: Path, allowed: Callable[[str], bool]) -> list[str]:
+    """Entries of `directory` that are not regular files with an allowed name (our own leftovers are allowed)."""
+    return [p.name for p in directory.iterdir()
+            if not (p.is_file() and not p.is_symlink() and (allowed(p.name) or _ours(p.name)))]
+
+
+def _ours(name: str) -> tuple[str, str, int] | None:
+    """(target name, kind, pid) of a name this module made, else None."""
+    m = re.fullmatch(rf"\.(.+)\.{TAG}-({'|'.join(KINDS)})\.(\d+)\.[^.]+", name)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(target: Path) -> list[Path]:
+    """Remove work-in-progress of `target` left by processes that are gone; returns what was removed."""
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for p in target.parent.iterdir():
+        mine = _ours(p.name)
+        if mine and mine[0] == target.name and not _alive(mine[2]):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _beside(target: Path, kind: str) -> str:
+    return f".{target.name}.{TAG}-{kind}.{os.getpid()}."
+
+
+def partial_file(path: Path, inputs=()) -> tuple[Path, Path]:
+    """(target, an empty temp file beside it) for a file written over time; `commit` puts it in place."""
+    target = output_file(path, inputs)
+    remove_stale(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_beside(target, "partial"))
+    os.close(fd)
+    return target, Path(tmp)
+
+
+def commit(tmp: Path, path: Path, inputs=()) -> None:
+    """Rename a finished temp file over its target, the rule checked again (the path may have changed meanwhile)."""
+    try:
+        target = output_file(path, inputs)
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise HiggsError(f"{path}: cannot write ({e.strerror or e})") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_file(path: Path, write: Callable[[Path], None], inputs=()) -> None:
+    """Call write(tmp) for a temp file beside the target, then rename it over the target: never a partial file."""
+    _, tmp = partial_file(path, inputs)
+    try:
+        write(tmp)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise HiggsError(f"{path}: cannot write ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    commit(tmp, path, inputs)
+
+
+@contextmanager
+def staged_dir(target: Path):
+    """A fresh staging directory beside `target` (checked with `output_dir` by the caller); when the block
+    finishes it replaces `target` whole; when the block fails it is removed, with any parents made for it."""
+    target = Path(target)
+    remove_stale(target)
+    made = [p for p in reversed(target.parents) if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=_beside(target, "staging")))
+    try:
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
+        yield staging
+        _publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for p in reversed(made):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _umask() -> int:
+    """This process's umask (temp files are made private; what we publish gets the usual permissions)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move a finished staging directory into place; a directory already at `target` is replaced whole."""
+    old = None
+    if os.path.lexists(target):
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=_beside(target, "old")))
+        os.replace(target, old / target.name)
+    os.replace(staging, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,724 @@
+"""Every bad input gets one clear error, and no command destroys a user's files.
+
+A table of malformed inputs grouped by kind (checkpoint, engine, text, options, outputs, prompts files), each driven
+through the real CLI (in-process with click's CliRunner; a subprocess where the OS is part of the case). Each case
+asserts exit code 1, exactly one `Error:` line that names the problem, no traceback, and a file system unchanged
+(everything under the test's directory and the shared fixtures: type, size, mtime, inode). Then the other side:
+valid inputs still accepted, outputs replaced only when they are what the command makes, a killed export's litter
+removed by the next one, greedy runs byte-identical, sampled runs all terminating.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from higgs_trt.runtime.cli import main
+from higgs_trt.runtime.manifest import MANIFEST, _seal, file_digest
+
+LM_TENSOR = "body.layers.0.self_attn.q_proj.weight"
+
+
+# ---- harness ----------------------------------------------------------------------------------------------------
+
+def snapshot(*roots: Path) -> dict:
+    """Every entry under `roots`, hidden ones included: (type, size, mtime, inode); directories by type only."""
+    state = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in dirnames + filenames:
+                st = Path(dirpath, name).lstat()
+                kind = stat.S_IFMT(st.st_mode)
+                state[os.path.join(dirpath, name)] = (kind,) if stat.S_ISDIR(st.st_mode) else (
+                    kind, st.st_size, st.st_mtime_ns, st.st_ino)
+    return state
+
+
+def higgs(*args) -> tuple[int, str]:
+    """The CLI in-process: (exit code, stderr); an exception escaping the CLI fails the test (it is a traceback)."""
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), f"traceback: {r.exception!r}\n{r.stderr}"
+    return r.exit_code, r.stderr
+
+
+def higgs_subprocess(*args, env=None) -> tuple[int, str]:
+    argv = [a if isinstance(a, bytes) else str(a) for a in args]
+    r = subprocess.run([sys.executable, "-m", "higgs_trt.runtime.cli", *argv], capture_output=True,
+                       env={**os.environ, **(env or {})})
+    return r.returncode, r.stderr.decode("utf-8", "backslashreplace")
+
+
+@dataclass
+class World:
+    """Where a case builds its damaged inputs (tmp) from the shared, read-only fixtures."""
+    tmp: Path
+    ckpt: Path
+    engine: Path
+
+    @property
+    def out(self) -> Path:
+        return self.tmp / "out.wav"
+
+    def run_torch(self, ckpt: Path, *extra, out=None) -> list:
+        return ["run", "--backend", "torch", "--checkpoint", ckpt, "--text", "Hello.", "--out", out or self.out, *extra]
+
+    def run_ort(self, engine: Path, *extra, text="Hello.", out=None) -> list:
+        return ["run", "--engine", engine, "--text", text, "--out", out or self.out, *extra]
+
+    # checkpoints
+    def ckpt_copy(self) -> Path:
+        return Path(shutil.copytree(self.ckpt, self.tmp / "ckpt"))
+
+    def config(self, edit) -> Path:
+        ck = self.ckpt_copy()
+        raw = json.loads((ck / "config.json").read_text())
+        edit(raw["text_config"], raw)
+        (ck / "config.json").write_text(json.dumps(raw))
+        return ck
+
+    def shard_of(self, ck: Path, tensor: str = LM_TENSOR) -> Path:
+        return ck / json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+
+    def header(self, edit=None, raw_header: bytes | None = None) -> Path:
+        """A checkpoint whose shard holding LM_TENSOR has its header edited in place by edit(header), or replaced
+        by raw_header; the data bytes are kept."""
+        ck = self.ckpt_copy()
+        shard = self.shard_of(ck)
+        raw = shard.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        if edit:
+            edit(header)
+        body = raw_header if raw_header is not None else json.dumps(header).encode()
+        shard.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+        return ck
+
+    def shard_bytes(self, make) -> Path:
+        ck = self.ckpt_copy()
+        shard = self.shard_of(ck)
+        shard.write_bytes(make(shard.read_bytes()))
+        return ck
+
+    def tensors(self, edit, tensor: str = LM_TENSOR) -> Path:
+        ck = self.ckpt_copy()
+        shard = self.shard_of(ck, tensor)
+        tensors = load_file(shard)
+        edit(tensors)
+        save_file(tensors, shard)
+        return ck
+
+    def ckpt_file(self, name: str, content: str | bytes | None) -> Path:
+        """A checkpoint with one file replaced (None: removed)."""
+        return _put(self.ckpt_copy(), name, content)
+
+    def engine_file(self, name: str, content: str | bytes | None) -> Path:
+        """An engine directory with one file replaced (None: removed), its manifest left as it was."""
+        return _put(self.engine_copy(), name, content)
+
+    def tokenizer(self, edit, ck: Path | None = None) -> Path:
+        ck = ck or self.ckpt_copy()
+        raw = json.loads((ck / "tokenizer.json").read_text())
+        edit(raw)
+        (ck / "tokenizer.json").write_text(json.dumps(raw))
+        return ck
+
+    def index(self, edit) -> Path:
+        ck = self.ckpt_copy()
+        path = ck / "model.safetensors.index.json"
+        raw = json.loads(path.read_text())
+        raw = edit(raw) or raw
+        path.write_text(json.dumps(raw))
+        return ck
+
+    # engines
+    def engine_copy(self) -> Path:
+        return Path(shutil.copytree(self.engine, self.tmp / "engine"))
+
+    def manifest(self, edit, reseal: bool = True) -> Path:
+        """An engine whose manifest is edited and (by default) sealed again, as a tool that wrote it would."""
+        e = self.engine_copy()
+        m = json.loads((e / MANIFEST).read_text())
+        edit(m, e)
+        if reseal:
+            m["manifest_sha256"] = _seal(m)
+        (e / MANIFEST).write_text(json.dumps(m))
+        return e
+
+    def prompts(self, content) -> Path:
+        path = self.tmp / "prompts.json"
+        path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+        return path
+
+    def compare(self, prompts: Path) -> list:
+        return ["compare", "--engine", self.engine, "--prompts", prompts]
+
+
+def _put(directory: Path, name: str, content) -> Path:
+    path = directory / name
+    if content is None:
+        path.unlink()
+    else:
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return directory
+
+
+def _file(w: World, content: str = "x") -> Path:
+    (w.tmp / "f").write_text(content)
+    return w.tmp / "f"
+
+
+def _in_two_shards(w: World) -> Path:
+    ck = w.ckpt_copy()
+    first, second = sorted(ck.glob("model-*.safetensors"))
+    a, b = load_file(first), load_file(second)
+    name = sorted(b)[0]
+    save_file({**a, name: b[name]}, first)
+    return ck
+
+
+def _resealed_file(m: dict, e: Path, name: str, data: bytes) -> None:
+    (e / name).write_bytes(data)
+    m["files"][name] = file_digest(e / name)
+
+
+def _audio_outside_vocab(raw: dict) -> None:
+    for t in raw["added_tokens"]:
+        if t["content"] == "<|audio|>":
+            t["id"] = 100000
+    raw["model"]["vocab"]["<|audio|>"] = 100000
+
+
+def _swap_offsets(h: dict) -> None:
+    h[LM_TENSOR]["data_offsets"].reverse()
+
+
+def _overlap(h: dict) -> None:
+    other = next(n for n in h if n not in (LM_TENSOR, "__metadata__"))
+    h[other] = dict(h[LM_TENSOR])
+
+
+def _set_value(value: float, dtype=torch.bfloat16):
+    def edit(t):
+        x = t[LM_TENSOR].to(dtype)
+        x.view(-1)[5] = value
+        t[LM_TENSOR] = x
+    return edit
+
+
+def _mkfifo(w: World) -> Path:
+    os.mkfifo(w.tmp / "fifo")
+    return w.tmp / "fifo"
+
+
+def _socket(w: World) -> Path:
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(w.tmp / "sock"))
+    s.close()
+    return w.tmp / "sock"
+
+
+def _victim(w: World, name: str = "victim") -> Path:
+    d = w.tmp / name
+    d.mkdir()
+    (d / "notes.txt").write_text("my notes\n")
+    return d
+
+
+def _empty(w: World) -> Path:
+    (w.tmp / "empty").mkdir()
+    return w.tmp / "empty"
+
+
+def _symlink(w: World, to: Path, name: str = "link.wav") -> Path:
+    (w.tmp / name).symlink_to(to)
+    return w.tmp / name
+
+
+def _loop(w: World) -> Path:
+    (w.tmp / "loop1").symlink_to(w.tmp / "loop2")
+    (w.tmp / "loop2").symlink_to(w.tmp / "loop1")
+    return w.tmp / "loop1"
+
+
+def _engine_with_notes(w: World) -> Path:
+    e = w.engine_copy()
+    (e / "notes.txt").write_text("mine\n")
+    return e
+
+
+def _other_checkpoint(w: World) -> Path:
+    from higgs_trt.builder.tiny import write_random_checkpoint
+
+    return write_random_checkpoint(w.tmp / "other", seed=1)
+
+
+def _ref(w: World, codes) -> Path:
+    np.save(w.tmp / "ref.npy", np.asarray(codes))
+    return w.tmp / "ref.npy"
+
+
+def _bench_engine(w: World, *extra) -> list:
+    return ["bench", "decode", "--engine", w.engine, *extra]
+
+
+@dataclass
+class Case:
+    name: str
+    args: Callable[[World], list]
+    message: str  # must appear in the one Error: line
+    subprocess: bool = False
+
+
+CHECKPOINT = [
+    Case("directory-missing", lambda w: w.run_torch(w.tmp / "nowhere"), "checkpoint directory not found"),
+    Case("config-missing", lambda w: w.run_torch(w.ckpt_file("config.json", None)), "config.json: not found"),
+    Case("config-not-json", lambda w: w.run_torch(w.ckpt_file("config.json", "{")), "not valid JSON"),
+    Case("config-a-list", lambda w: w.run_torch(w.ckpt_file("config.json", "[1]")), "not a JSON object"),
+    Case("config-not-utf8", lambda w: w.run_torch(w.ckpt_file("config.json", b'{"a": "\xff"}')), "not UTF-8"),
+    Case("config-duplicate-key", lambda w: w.run_torch(w.ckpt_file("config.json", (w.ckpt / "config.json").read_text()
+                                                                   .replace('"model_type"', '"model_type": "x", "model_type"', 1))),
+         "key 'model_type' appears twice"),
+    Case("hidden-size-a-string", lambda w: w.run_torch(w.config(lambda t, r: t.update(hidden_size="64"))),
+         "text_config.hidden_size must be an integer, got '64'"),
+    Case("rms-eps-a-string", lambda w: w.run_torch(w.config(lambda t, r: t.update(rms_norm_eps="1e-6"))),
+         "text_config.rms_norm_eps must be a number"),
+    Case("rope-theta-a-string", lambda w: w.run_torch(w.config(lambda t, r: t["rope_parameters"].update(rope_theta="1e6"))),
+         "rope_theta must be a number"),
+    Case("head-dim-a-float", lambda w: w.run_torch(w.config(lambda t, r: t.update(head_dim=16.0))),
+         "head_dim must be an integer"),
+    Case("vocab-a-bool", lambda w: w.run_torch(w.config(lambda t, r: t.update(vocab_size=True))),
+         "vocab_size must be an integer"),
+    Case("layers-a-billion", lambda w: w.run_torch(w.config(lambda t, r: t.update(num_hidden_layers=1_000_000_000))),
+         "num_hidden_layers is 1000000000, outside 1..1024"),
+    Case("fewer-layers-than-tensors", lambda w: w.run_torch(w.config(lambda t, r: t.update(num_hidden_layers=1))),
+         "holds 11 tensor(s) of layers past it: body.layers.1."),
+    Case("more-layers-than-tensors", lambda w: w.run_torch(w.config(lambda t, r: t.update(num_hidden_layers=5))),
+         "holds no tensors of layer(s) 2, 3, 4"),
+    Case("zero-kv-heads", lambda w: w.run_torch(w.config(lambda t, r: t.update(num_key_value_heads=0))),
+         "num_key_value_heads is 0, outside 1..1024"),
+    Case("max-positions-negative", lambda w: w.run_torch(w.config(lambda t, r: t.update(max_position_embeddings=-1))),
+         "max_position_embeddings is -1"),
+    Case("rope-parameters-a-list", lambda w: w.run_torch(w.config(lambda t, r: t.update(rope_parameters=[1]))),
+         "rope_parameters and rope_scaling must be objects"),
+    Case("delay-pattern-a-string", lambda w: w.run_torch(w.config(
+        lambda t, r: r["audio_encoder_config"].update(use_delay_pattern="true"))), "use_delay_pattern must be true"),
+    Case("codebooks-a-float", lambda w: w.run_torch(w.config(
+        lambda t, r: r["audio_encoder_config"].update(num_codebooks=8.0))), "num_codebooks is 8.0, expected 8"),
+    Case("offsets-reversed", lambda w: w.run_torch(w.header(_swap_offsets)), "are reversed or negative"),
+    Case("offsets-missing", lambda w: w.run_torch(w.header(lambda h: h[LM_TENSOR].pop("data_offsets"))),
+         f"tensor {LM_TENSOR}: data_offsets None is not [begin, end]"),
+    Case("header-a-list", lambda w: w.run_torch(w.header(raw_header=b"[1, 2]")), "header is a JSON list, not an object"),
+    Case("header-not-json", lambda w: w.run_torch(w.header(raw_header=b"{nope")), "not valid JSON"),
+    Case("header-not-utf8", lambda w: w.run_torch(w.header(raw_header=b'{"\xff": 1}')),
+         "header is not UTF-8"),
+    Case("unknown-dtype", lambda w: w.run_torch(w.header(lambda h: h[LM_TENSOR].update(dtype="Q7"))),
+         f"tensor {LM_TENSOR}: unknown dtype 'Q7'"),
+    Case("shape-not-sizes", lambda w: w.run_torch(w.header(lambda h: h[LM_TENSOR].update(shape=[-1, 64]))),
+         "is not a list of sizes"),
+    Case("shape-disagrees-with-bytes", lambda w: w.run_torch(w.header(lambda h: h[LM_TENSOR].update(shape=[3, 64]))),
+         "does not take the"),
+    Case("ranges-overlap", lambda w: w.run_torch(w.header(_overlap)), "overlaps tensor"),
+    Case("range-past-end", lambda w: w.run_torch(w.shard_bytes(lambda b: b[:-100])), "truncated"),
+    Case("bytes-after-last-tensor", lambda w: w.run_torch(w.shard_bytes(lambda b: b + b"\0" * 64)),
+         "64 bytes after the last tensor"),
+    Case("header-length-past-end", lambda w: w.run_torch(w.shard_bytes(lambda b: struct.pack("<Q", 1 << 40) + b[8:])),
+         "runs past the end of the file"),
+    Case("file-of-4-bytes", lambda w: w.run_torch(w.shard_bytes(lambda b: b[:4])), "shorter than the 8-byte header"),
+    Case("metadata-not-strings", lambda w: w.run_torch(w.header(lambda h: h.update(__metadata__={"format": 1}))),
+         "__metadata__ must map names to strings"),
+    Case("tensor-in-two-shards", lambda w: w.run_torch(_in_two_shards(w)), "is in both"),
+    Case("index-weight-map-a-list", lambda w: w.run_torch(w.index(lambda r: {"weight_map": [1]})), "no weight_map object"),
+    Case("index-shard-outside", lambda w: w.run_torch(w.index(
+        lambda r: r["weight_map"].update({LM_TENSOR: "../x.safetensors"}))), "'../x.safetensors' is not a file name"),
+    Case("index-shard-missing", lambda w: w.run_torch(w.index(
+        lambda r: r["weight_map"].update({LM_TENSOR: "model-9.safetensors"}))), "shard(s) not found: model-9.safetensors"),
+    Case("nan-weight", lambda w: w.run_torch(w.tensors(_set_value(float("nan")))), f"tensor {LM_TENSOR} holds inf or NaN"),
+    Case("inf-weight-f32", lambda w: w.run_torch(w.tensors(_set_value(float("inf"), torch.float32))),
+         f"tensor {LM_TENSOR} holds inf or NaN"),
+    Case("neg-inf-weight-f16", lambda w: w.run_torch(w.tensors(_set_value(float("-inf"), torch.float16))),
+         f"tensor {LM_TENSOR} holds inf or NaN"),
+    Case("integer-weight", lambda w: w.run_torch(w.tensors(lambda t: t.update({LM_TENSOR: t[LM_TENSOR].to(torch.int32)}))),
+         f"of a dtype it cannot use: {LM_TENSOR} (I32)"),
+    Case("tensor-missing", lambda w: w.run_torch(w.tensors(lambda t: t.pop(LM_TENSOR))), f"missing 1 tensor(s): {LM_TENSOR}"),
+    Case("tensor-misshaped", lambda w: w.run_torch(w.tensors(
+        lambda t: t.update({LM_TENSOR: torch.zeros(3, 64, dtype=torch.bfloat16)}))), f"{LM_TENSOR} is [3, 64], expected [64, 64]"),
+    Case("special-token-outside-vocab", lambda w: w.run_torch(w.tokenizer(_audio_outside_vocab)),
+         "lie outside the model's text vocabulary of 448: <|audio|> (100000)"),
+    Case("tokenizer-lacks-tts", lambda w: w.run_torch(w.tokenizer(
+        lambda r: r.update(added_tokens=[t for t in r["added_tokens"] if t["content"] != "<|tts|>"]))),
+         "lacks the Higgs special token(s) <|tts|>"),
+    Case("tokenizer-not-json", lambda w: w.run_torch(w.ckpt_file("tokenizer.json", "{")), "cannot load tokenizer"),
+    Case("export-offsets-reversed", lambda w: ["export", "--checkpoint", w.header(_swap_offsets), "--out", w.tmp / "e"],
+         "are reversed or negative"),
+    Case("export-nan-weight", lambda w: ["export", "--checkpoint", w.tensors(_set_value(float("nan"))), "--out",
+                                        w.tmp / "e"], "holds inf or NaN"),
+    Case("calibrate-header-a-list", lambda w: ["calibrate", "--checkpoint", w.header(raw_header=b"[1]"), "--out",
+                                              w.tmp / "c.json"], "header is a JSON list"),
+    Case("calibrate-unknown-dtype", lambda w: ["calibrate", "--checkpoint", w.header(
+        lambda h: h[LM_TENSOR].update(dtype="BF17")), "--out", w.tmp / "c.json"], "unknown dtype 'BF17'"),
+]
+
+ENGINE = [
+    Case("directory-missing", lambda w: w.run_ort(w.tmp / "nowhere"), "not an engine directory"),
+    Case("a-file", lambda w: w.run_ort(_file(w)), "unreadable"),
+    Case("empty-directory", lambda w: w.run_ort(_empty(w)), "no manifest.json"),
+    Case("manifest-not-json", lambda w: w.run_ort(w.engine_file(MANIFEST, "{")), "manifest.json: unreadable"),
+    Case("manifest-a-list", lambda w: w.run_ort(w.engine_file(MANIFEST, "[]")), "format None is not 1"),
+    Case("manifest-format-2", lambda w: w.run_ort(w.manifest(lambda m, e: m.update(format=2))), "format 2 is not 1"),
+    Case("manifest-edited", lambda w: w.run_ort(w.manifest(lambda m, e: m["limits"].update(max_seq=4096), reseal=False)),
+         "has been edited by hand"),
+    Case("weights-missing", lambda w: w.run_ort(w.engine_file("weights.bin", None)), "weights.bin is missing"),
+    Case("tokenizer-changed", lambda w: w.run_ort(w.engine_file("tokenizer.json", (w.engine / "tokenizer.json")
+                                                                .read_text() + " ")),
+         "tokenizer.json does not match the manifest"),
+    Case("resealed-without-limits", lambda w: w.run_ort(w.manifest(lambda m, e: m.pop("limits"))), "no valid limits"),
+    Case("resealed-limits-as-strings", lambda w: w.run_ort(w.manifest(lambda m, e: m["limits"].update(max_seq="160"))),
+         "no valid limits"),
+    Case("resealed-file-outside", lambda w: w.run_ort(w.manifest(
+        lambda m, e: m["files"].update({"../etc.txt": {"bytes": 1, "sha256": "0"}}))), "outside its directory: ../etc.txt"),
+    Case("resealed-files-a-list", lambda w: w.run_ort(w.manifest(lambda m, e: m.update(files=[]))), "no file list"),
+    Case("resealed-garbage-graph", lambda w: w.run_ort(w.manifest(
+        lambda m, e: _resealed_file(m, e, "lm.ref.onnx", b"not onnx"))), "ONNX Runtime cannot load it"),
+    Case("resealed-token-outside-vocab", lambda w: w.run_ort(w.manifest(lambda m, e: _resealed_file(
+        m, e, "tokenizer.json", json.dumps((lambda r: (_audio_outside_vocab(r), r)[1])(
+            json.loads((e / "tokenizer.json").read_text()))).encode()))), "outside the model's text vocabulary"),
+    Case("other-precision", lambda w: w.run_ort(w.engine, "--precision", "fp8"), "holds bf16 engines, not fp8"),
+    Case("other-checkpoint", lambda w: w.run_ort(w.engine, "--checkpoint", _other_checkpoint(w)),
+         "was built from another checkpoint"),
+    Case("bench-engine-missing", lambda w: ["bench", "decode", "--engine", w.tmp / "nowhere"], "not an engine directory"),
+    Case("compare-engine-missing", lambda w: ["compare", "--engine", w.tmp / "nowhere"], "not an engine directory"),
+]
+
+TEXT = [
+    *[Case(f"structural-{t.strip('<|>')}", lambda w, t=t: w.run_ort(w.engine, text=f"Hello {t} there."),
+           f"may not contain the prompt token(s) {t}")
+      for t in ("<|audio|>", "<|eoc|>", "<|audio_end|>", "<|endoftext|>", "<|tts|>", "<|text|>", "<|ref_audio|>",
+                "<|ref_text|>", "<|text_end|>")],
+    Case("empty", lambda w: w.run_ort(w.engine, text=""), "text is empty"),
+    Case("whitespace", lambda w: w.run_ort(w.engine, text=" \n\t "), "text is empty"),
+    Case("unknown-tag", lambda w: w.run_ort(w.engine, text="Hi <|emotion:rage|>"), "unknown control tag(s) <|emotion:rage|>"),
+    Case("lone-surrogate", lambda w: w.run_ort(w.engine, text="Hi \udcff"), "not valid UTF-8"),
+    Case("nul", lambda w: w.run_ort(w.engine, text="Hi\x00there"), "control character U+0000"),
+    Case("escape", lambda w: w.run_ort(w.engine, text="Hi\x1b[31m"), "control character U+001B"),
+    Case("ref-text-structural", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
+                                                    "--ref-text", "I said <|audio|>"),
+         "reference text may not contain the prompt token(s) <|audio|>"),
+    Case("ref-text-without-codes", lambda w: w.run_ort(w.engine, "--ref-text", "hello"), "--ref-text needs --ref-codes"),
+    Case("too-long-for-engine", lambda w: w.run_ort(w.engine, text="word " * 120), "the engine's prefill takes at most 96"),
+    Case("too-long-for-cache", lambda w: w.run_torch(w.ckpt, "--max-seq", "32") + ["--text", "word " * 40],
+         "text too long"),
+    Case("argv-not-utf8", lambda w: ["run", "--engine", w.engine, "--text", b"caf\xe9 \xff", "--out", w.out],
+         "text is not valid UTF-8", subprocess=True),
+    Case("bench-text-structural", lambda w: _bench_engine(w, "--text", "x <|eoc|>"), "<|eoc|>"),
+]
+
+OPTIONS = [
+    Case("temperature-nan", lambda w: w.run_ort(w.engine, "--temperature", "nan"), "--temperature must be a finite"),
+    Case("temperature-inf", lambda w: w.run_ort(w.engine, "--temperature", "inf"), "--temperature must be a finite"),
+    Case("temperature-negative", lambda w: w.run_ort(w.engine, "--temperature", "-0.5"), "got -0.5"),
+    Case("temperature-denormal", lambda w: w.run_ort(w.engine, "--temperature", "1e-320"), "too small to sample"),
+    Case("top-p-zero", lambda w: w.run_ort(w.engine, "--top-p", "0"), "--top-p must lie in (0, 1]"),
+    Case("top-p-above-one", lambda w: w.run_ort(w.engine, "--top-p", "1.5"), "--top-p must lie in (0, 1]"),
+    Case("top-p-nan", lambda w: w.run_ort(w.engine, "--top-p", "nan"), "--top-p must lie in (0, 1]"),
+    Case("top-k-negative", lambda w: w.run_ort(w.engine, "--top-k", "-1"), "--top-k must be ≥ 0"),
+    Case("seed-negative", lambda w: w.run_ort(w.engine, "--seed", "-1"), "--seed must lie in 0..9223372036854775807"),
+    Case("seed-2-63", lambda w: w.run_ort(w.engine, "--seed", str(2**63)), "--seed must lie in"),
+    Case("max-seq-with-ort", lambda w: w.run_ort(w.engine, "--max-seq", "0"), "--max-seq applies to --backend torch"),
+    Case("max-seq-with-trt", lambda w: w.run_ort(w.engine, "--backend", "trt", "--max-seq", "64"),
+         "--max-seq applies to --backend torch"),
+    Case("max-seq-zero", lambda w: w.run_torch(w.ckpt, "--max-seq", "0"), "--max-seq must lie in 16..32768"),
+    Case("max-seq-negative", lambda w: w.run_torch(w.ckpt, "--max-seq", "-5"), "got -5"),
+    Case("max-seq-beyond-model", lambda w: w.run_torch(w.ckpt, "--max-seq", "1000000000"),
+         "the model's max_position_embeddings"),
+    Case("device-lean-with-ort", lambda w: w.run_ort(w.engine, "--device", "lean"), "--device lean does not apply to --backend ort"),
+    Case("device-cpu-with-trt", lambda w: w.run_ort(w.engine, "--backend", "trt", "--device", "cpu"),
+         "--device cpu does not apply to --backend trt"),
+    Case("device-lean-with-torch", lambda w: w.run_torch(w.ckpt, "--device", "lean"), "does not apply to --backend torch"),
+    Case("precision-with-torch-cpu", lambda w: w.run_torch(w.ckpt, "--precision", "bf16", "--device", "cpu"),
+         "--precision does not apply"),
+    Case("engine-with-torch-cpu", lambda w: w.run_torch(w.ckpt, "--engine", w.engine, "--device", "cpu"),
+         "--engine does not apply"),
+    Case("torch-cpu-without-checkpoint", lambda w: w.run_ort(w.engine, "--backend", "torch", "--device", "cpu"),
+         "it needs --checkpoint"),
+    Case("ort-without-engine", lambda w: ["run", "--backend", "ort", "--checkpoint", w.ckpt, "--text", "Hi", "--out", w.out],
+         "--backend ort needs --engine"),
+    Case("no-model", lambda w: ["run", "--text", "Hi", "--out", w.out], "give --engine DIR"),
+    Case("export-max-batch-zero", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--max-batch", 0],
+         "1 ≤ max-batch ≤ 1024"),
+    Case("export-max-prompt-zero", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--max-prompt", 0],
+         "1 ≤ max-prompt < max-seq"),
+    Case("export-max-seq-beyond-model", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e",
+                                                   "--max-seq", 10**9], "beyond the model's max_position_embeddings"),
+    Case("export-calibration-with-bf16", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e",
+                                                    "--calibration", w.tmp / "c.json"], "--calibration applies to --precision fp8 only"),
+    Case("build-gate-with-bf16", lambda w: ["build", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--gate-top1", "0.5"],
+         "--gate-top1 applies to --precision fp8 only"),
+    Case("export-gate-cosine-2", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--precision", "fp8",
+                                            "--gate-cosine", "2"], "--gate-cosine must lie in [-1, 1]"),
+    Case("build-lean-with-target", lambda w: ["build", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--lean",
+                                              "--target", "sm89"], "--lean makes plans for tensorrt_lean"),
+    Case("bench-batch-zero", lambda w: _bench_engine(w, "--batches", 0), "--batches must lie in 1..512"),
+    Case("bench-batch-above-engine", lambda w: _bench_engine(w, "--batches", 5), "--batches must lie in 1..4"),
+    Case("bench-repeats-zero", lambda w: _bench_engine(w, "--repeats", 0), "--repeats must lie in 1..1000"),
+    Case("bench-max-seq-with-ort", lambda w: _bench_engine(w, "--max-seq", 64), "--max-seq applies to --backend torch"),
+    Case("compare-steps-zero", lambda w: ["compare", "--engine", w.engine, "--steps", 0], "--steps must lie in 1..160"),
+    Case("compare-one-runner", lambda w: ["compare", "--engine", w.engine, "--runners", "ort"], "at least two runners"),
+    Case("compare-same-runner-twice", lambda w: ["compare", "--engine", w.engine, "--runners", "ort,ort"],
+         "at least two runners"),
+    Case("compare-unknown-runner", lambda w: ["compare", "--engine", w.engine, "--runners", "ort,foo"], "unknown runner 'foo'"),
+    Case("compare-per-layer-without-checkpoint", lambda w: ["compare", "--engine", w.engine, "--per-layer"],
+         "--per-layer needs --checkpoint"),
+    Case("tiny-checkpoint-seed-negative", lambda w: ["tiny-checkpoint", w.tmp / "t", "--seed", -3], "--seed must lie in"),
+]
+
+OUTPUTS = [
+    Case("out-a-directory", lambda w: w.run_ort(w.engine, out=_victim(w)), "is a directory, not a file"),
+    Case("out-a-fifo", lambda w: w.run_ort(w.engine, out=_mkfifo(w)), "is a fifo, not a file"),
+    Case("out-a-socket", lambda w: w.run_ort(w.engine, out=_socket(w)), "is a socket, not a file"),
+    Case("codes-out-a-fifo", lambda w: w.run_ort(w.engine, "--codes-out", _mkfifo(w)), "is a fifo, not a file"),
+    Case("out-a-dangling-symlink", lambda w: w.run_ort(w.engine, out=_symlink(w, w.tmp / "gone.wav")),
+         "is a symlink to nothing"),
+    Case("out-a-symlink-to-a-directory", lambda w: w.run_ort(w.engine, out=_symlink(w, _victim(w))),
+         "is a directory, not a file"),
+    Case("out-through-a-symlink-loop", lambda w: w.run_ort(w.engine, out=_loop(w) / "x.wav"), "cannot be resolved"),
+    Case("out-equals-codes-out", lambda w: w.run_ort(w.engine, "--codes-out", w.out), "name the same file"),
+    Case("out-inside-checkpoint", lambda w: w.run_torch(w.ckpt, out=w.ckpt / "out.wav"), "lies inside"),
+    Case("out-replaces-checkpoint-config", lambda w: w.run_torch(w.ckpt, out=w.ckpt / "config.json"), "lies inside"),
+    Case("out-inside-engine", lambda w: w.run_ort(w.engine, out=w.engine / "x.wav"), "lies inside"),
+    Case("out-is-ref-codes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
+                                                 out=w.tmp / "ref.npy"), "is an input of this command"),
+    Case("out-parent-missing", lambda w: w.run_ort(w.engine, out=w.tmp / "no" / "such.wav"), "does not exist"),
+    Case("export-over-a-directory-of-notes", lambda w: ["export", "--checkpoint", w.ckpt, "--out", _victim(w)],
+         "holds no higgs-trt manifest.json"),
+    Case("export-over-checkpoint-config", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.ckpt / "config.json"],
+         "lies inside"),
+    Case("export-over-the-checkpoint", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.ckpt], "is an input"),
+    Case("export-over-a-parent-of-the-checkpoint", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.ckpt.parent],
+         "contains"),
+    Case("export-over-an-engine-with-notes", lambda w: ["export", "--checkpoint", w.ckpt, "--out", _engine_with_notes(w)],
+         "holds files an engine directory does not (notes.txt)"),
+    Case("export-over-a-file", lambda w: ["export", "--checkpoint", w.ckpt, "--out",
+                                          _file(w)], "is a file, not an engine"),
+    Case("export-over-a-fifo", lambda w: ["export", "--checkpoint", w.ckpt, "--out", _mkfifo(w)], "is a fifo"),
+    Case("build-over-a-directory-of-notes", lambda w: ["build", "--checkpoint", w.ckpt, "--out", _victim(w)],
+         "holds no higgs-trt manifest.json"),
+    Case("calibrate-over-a-directory", lambda w: ["calibrate", "--checkpoint", w.ckpt, "--out", _victim(w)],
+         "is a directory, not a file"),
+    Case("calibrate-inside-checkpoint", lambda w: ["calibrate", "--checkpoint", w.ckpt, "--out",
+                                                   w.ckpt / "calibration.json"], "lies inside"),
+    Case("compare-save-over-notes", lambda w: ["compare", "--engine", w.engine, "--save", _victim(w)],
+         "holds files compare --save does not write (notes.txt)"),
+    Case("compare-save-over-a-file", lambda w: ["compare", "--engine", w.engine, "--save", _file(w)], "is a file"),
+    Case("compare-save-inside-engine", lambda w: ["compare", "--engine", w.engine, "--save", w.engine / "s"], "lies inside"),
+    Case("tiny-checkpoint-over-notes", lambda w: ["tiny-checkpoint", _victim(w)], "holds no higgs-trt-random.json"),
+    Case("tiny-checkpoint-over-a-real-checkpoint", lambda w: ["tiny-checkpoint", w.ckpt_file("higgs-trt-random.json", None)],
+         "holds no higgs-trt-random.json"),
+    Case("tiny-checkpoint-over-a-file", lambda w: ["tiny-checkpoint", _file(w)], "is a file"),
+]
+
+PROMPTS = [
+    Case("missing", lambda w: w.compare(w.tmp / "none.json"), "none.json: not found"),
+    Case("not-json", lambda w: w.compare(w.prompts(b"[{")), "not valid JSON"),
+    Case("not-utf8", lambda w: w.compare(w.prompts(b'[{"text": "caf\xe9"}]')), "not UTF-8 (byte 0xe9"),
+    Case("an-object", lambda w: w.compare(w.prompts({"text": "hi"})), "expected a non-empty JSON list"),
+    Case("empty-list", lambda w: w.compare(w.prompts([])), "expected a non-empty JSON list"),
+    Case("item-a-string", lambda w: w.compare(w.prompts(["hi"])), 'prompt 0 is not a {"text": ...} object'),
+    Case("item-without-text", lambda w: w.compare(w.prompts([{"ref_text": "x"}])), "prompt 0 is not a"),
+    Case("text-a-number", lambda w: w.compare(w.prompts([{"text": 5}])), "prompt 0 text must be a string, got int"),
+    Case("text-with-nul", lambda w: w.compare(w.prompts([{"text": "ok"}, {"text": "a\u0000b"}])),
+         "prompt 1 text contains the control character U+0000"),
+    Case("text-lone-surrogate", lambda w: w.compare(w.prompts(b'[{"text": "a\\ud800b"}]')), "not valid UTF-8"),
+    Case("text-structural", lambda w: w.compare(w.prompts([{"text": "say <|audio|>"}])),
+         "prompt 0: text may not contain the prompt token(s) <|audio|>"),
+    Case("ref-codes-wrong-shape", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [[1] * 7] * 3}])),
+         "must have shape [T, 8] with T ≥ 1, got [3, 7]"),
+    Case("ref-codes-out-of-range", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [[1024] * 8]}])),
+         "must lie in 0..1023"),
+    Case("ref-codes-ragged", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [[1] * 8, [1]]}])),
+         "a ragged or non-numeric list"),
+    Case("ref-codes-floats", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [[0.5] * 8]}])),
+         "must be integers"),
+    Case("ref-codes-nan", lambda w: w.compare(w.prompts(b'[{"text": "hi", "ref_codes": [[NaN, 1, 1, 1, 1, 1, 1, 1]]}]')),
+         "NaN is not a JSON number"),
+    Case("ref-text-without-codes", lambda w: w.compare(w.prompts([{"text": "hi", "ref_text": "x"}])),
+         "ref_text without ref_codes"),
+    Case("unknown-key", lambda w: w.compare(w.prompts([{"text": "hi", "ref_txt": "x"}])), "unknown key(s) 'ref_txt'"),
+    Case("duplicate-key", lambda w: w.compare(w.prompts(b'[{"text": "a", "text": "b"}]')), "key 'text' appears twice"),
+    Case("too-long-for-engine", lambda w: w.compare(w.prompts([{"text": "word " * 120}])),
+         "prompt 0: text too long"),
+]
+
+GROUPS = {"checkpoint": CHECKPOINT, "engine": ENGINE, "text": TEXT, "options": OPTIONS, "outputs": OUTPUTS,
+          "prompts": PROMPTS}
+CASES = [pytest.param(case, id=f"{group}/{case.name}") for group, cases in GROUPS.items() for case in cases]
+
+
+def test_the_table_is_large_and_covers_every_kind():
+    assert len(CASES) >= 60 and all(len(cases) >= 10 for cases in GROUPS.values())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_refused_in_one_line(case, tiny_ckpt, tiny_engine, tmp_path):
+    w = World(tmp_path, tiny_ckpt, tiny_engine)
+    args = case.args(w)
+    before = snapshot(tmp_path, tiny_ckpt, tiny_engine)
+    code, stderr = higgs_subprocess(*args) if case.subprocess else higgs(*args)
+    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert code == 1, stderr
+    assert len(errors) == 1 and case.message in errors[0], stderr
+    assert "Traceback" not in stderr
+    assert snapshot(tmp_path, tiny_ckpt, tiny_engine) == before, "the file system changed"
+
+
+# ---- valid inputs are still accepted ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, options", [
+    ("Hello 😀🎉 world, 👩‍👩‍👧 family.", ()),
+    ("שלום עולם, مرحبا بالعالم", ()),
+    ("zero\u200bwidth\u200djoiner\u200f and\ufeffmarks\u2060here", ()),
+    ("Wow <|emotion:elation|> that is great <|prosody:pause|> indeed.", ()),
+    ("Tabs\tand\nnew lines\r\nare fine.", ()),
+    ("A very long seed.", ("--seed", str(2**63 - 1), "--temperature", "0.7")),
+    ("A large top-k.", ("--top-k", str(10**12), "--top-p", "0.9")),
+    ("Greedy.", ("--temperature", "0")),
+])
+def test_valid_inputs_are_accepted(tiny_engine, tmp_path, text, options):
+    out = tmp_path / "out.wav"
+    code, stderr = higgs("run", "--engine", tiny_engine, "--text", text, "--out", out, *options)
+    assert code == 0, stderr
+    assert out.stat().st_size > 44 and "Error" not in stderr
+
+
+# ---- outputs: replaced only when they are what the command makes ---------------------------------------------------
+
+def test_an_existing_file_and_a_symlinked_file_are_replaced(tiny_engine, tmp_path):
+    from higgs_trt.runtime.outputs import _umask
+
+    out, real, link, new = tmp_path / "out.wav", tmp_path / "real.wav", tmp_path / "link.wav", tmp_path / "new.wav"
+    out.write_text("old")
+    out.chmod(0o600)
+    real.write_text("old")
+    link.symlink_to(real)
+    for path in (out, link, new):
+        code, stderr = higgs("run", "--engine", tiny_engine, "--text", "Hi.", "--out", path, "--temperature", "0")
+        assert code == 0, stderr
+    assert all(p.read_bytes()[:4] == b"RIFF" for p in (out, real, new))
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600  # a replaced file keeps its permissions
+    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~_umask()  # a new one gets the usual ones
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.wav", "new.wav", "out.wav", "real.wav"]
+
+
+def test_tiny_checkpoint_replaces_its_own_output_also_through_a_symlink(tmp_path):
+    out, link = tmp_path / "ck", tmp_path / "link"
+    link.symlink_to(out)
+    for seed, path in ((0, out), (1, out), (2, link)):
+        code, stderr = higgs("tiny-checkpoint", path, "--seed", seed, "--shards", 1)
+        assert code == 0, stderr
+    assert json.loads((out / "higgs-trt-random.json").read_text())["seed"] == 2
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "link"]
+
+
+def test_compare_save_replaces_an_earlier_save(tiny_engine, tiny_ckpt, tmp_path):
+    save = tmp_path / "saved"
+    for _ in range(2):
+        code, stderr = higgs("compare", "--engine", tiny_engine, "--checkpoint", tiny_ckpt, "--runners", "torch,ort",
+                             "--steps", 2, "--save", save)
+        assert code == 0, stderr
+    assert sorted(p.name for p in save.iterdir()) == ["inputs.json", "outputs.json", "report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]
+
+
+def test_a_killed_export_leaves_the_old_engine_and_the_next_export_removes_its_litter(tiny_ckpt, tiny_engine, tmp_path):
+    from higgs_trt.runtime.manifest import EngineDir
+
+    target = shutil.copytree(tiny_engine, tmp_path / "engine")
+    args = ["--checkpoint", tiny_ckpt, "--out", target, "--max-seq", 160, "--max-batch", 4, "--max-prompt", 96]
+    child = subprocess.Popen([sys.executable, "-m", "higgs_trt.runtime.cli", "export", *map(str, args)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".engine.higgs-trt-staging.*/weights.bin")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    litter = list(tmp_path.glob(f".engine.higgs-trt-staging.{child.pid}.*"))
+    assert len(litter) == 1, "the export was not caught mid-way"
+    assert EngineDir(target).manifest["limits"]["max_seq"] == 160  # the old engine is intact
+
+    code, stderr = higgs("export", *args)
+    assert code == 0, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]  # litter gone, nothing else left beside it
+    EngineDir(target)
+
+
+def test_only_the_litter_of_dead_processes_is_removed(tmp_path):
+    from higgs_trt.runtime.outputs import remove_stale
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f".out.wav.higgs-trt-partial.{gone.pid}.abc123"
+    live = tmp_path / f".out.wav.higgs-trt-partial.{os.getpid()}.def456"
+    other = tmp_path / f".other.wav.higgs-trt-partial.{gone.pid}.ghi789"
+    staging = tmp_path / f".out.wav.higgs-trt-staging.{gone.pid}.jkl012"
+    for p in (dead, live, other):
+        p.write_text("x")
+    staging.mkdir()
+    (staging / "weights.bin").write_text("x")
+    assert sorted(remove_stale(tmp_path / "out.wav")) == sorted([dead, staging])
+    assert live.exists() and other.exists()
+
+
+# ---- decoding: greedy is reproducible, sampling always terminates --------------------------------------------------
+
+def test_a_greedy_run_is_byte_identical_run_to_run(tiny_engine, tmp_path):
+    files = []
+    for i in range(2):
+        wav, codes = tmp_path / f"{i}.wav", tmp_path / f"{i}.npy"
+        code, stderr = higgs("run", "--engine", tiny_engine, "--text", "Same words, same audio.", "--out", wav,
+                             "--codes-out", codes, "--temperature", "0")
+        assert code == 0, stderr
+        files.append((wav.read_bytes(), codes.read_bytes()))
+    assert files[0] == files[1] and len(files[0][0]) > 44
+
+
+def test_thirty_sampled_runs_all_terminate(tiny_engine):
+    from higgs_trt.runtime.decoding import Sampling, row_cap
+    from higgs_trt.runtime.engines import Sources, load_tokenizer
+    from higgs_trt.runtime.generate import generate
+    from higgs_trt.runtime.manifest import EngineDir
+    from higgs_trt.runtime.ort_backend import OrtBackend
+    from higgs_trt.runtime.prompt import build_prompt
+    from higgs_trt.runtime.stepper import HostStepper
+
+    engine = EngineDir(tiny_engine)
+    backend = HostStepper(OrtBackend(engine))
+    prompt = build_prompt(load_tokenizer(Sources("ort", engine, None)), "Every decode ends.")
+    cap = min(row_cap(prompt.text_chars), backend.max_seq - len(prompt))
+
+    def hang(*_):
+        raise TimeoutError("a sampled decode did not terminate")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(300)
+    try:
+        results = [generate(backend, [prompt], Sampling(temperature=1.0, seed=seed))[0] for seed in range(30)]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert all(r.stop_reason in ("eoc", "repeat", "cap") and r.rows <= cap for r in results)
+    assert len({r.frames.tobytes() for r in results}) > 1  # the seeds do sample differently
