@@ -1,4 +1,6 @@
-"""ONNX Runtime backend: the fp32 reference twin (`lm.ref.onnx`) and the codec, on CPU or the CUDA EP.
+"""ONNX Runtime backend: the fp32 reference twin (`lm.ref.onnx`) and the codec, on CPU or the CUDA EP; and the
+codec encoder (`codec_encoder.onnx`, reference audio → codes) as a runner of its own, so encoding a reference
+never loads the LM.
 
 Sessions and buffers are made once. The KV caches are two sets of OrtValues used in turn (one is read while
 the other is written), so a step never allocates or copies a cache on the host side.
@@ -6,8 +8,34 @@ the other is written), so a step never allocates or copies a cache on the host s
 
 import numpy as np
 
+from .audio import engine_identity
 from .errors import HiggsError
 from .manifest import EngineDir
+
+
+def _setup(ort, device: str, threads: int):
+    """(device, providers, session options) for --device auto|cpu|cuda."""
+    available = ort.get_available_providers()
+    if device == "auto":
+        device = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise HiggsError("--device cuda needs onnxruntime-gpu and an NVIDIA GPU")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3  # TensorScatter warns on every call that it copies the cache
+    return device, providers, options
+
+
+def _session(ort, engine: EngineDir, graph: str, options, providers):
+    session = ort.InferenceSession(str(engine.file(graph)), options, providers=providers)
+    expected = engine.graph(graph)
+    for kind, actual in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
+        got = [t.name for t in actual]
+        want = [t["name"] for t in expected[kind]]
+        if got != want:
+            raise HiggsError(f"{engine.file(graph)}: {kind} {got} differ from the manifest's {want}")
+    return session
 
 
 class OrtBackend:
@@ -19,36 +47,17 @@ class OrtBackend:
         self.engine = engine
         limits = engine.manifest["limits"]
         self.max_seq, self.max_batch = limits["max_seq"], limits["max_batch"]
-        available = ort.get_available_providers()
-        if device == "auto":
-            device = "cuda" if "CUDAExecutionProvider" in available else "cpu"
-        if device == "cuda" and "CUDAExecutionProvider" not in available:
-            raise HiggsError("--device cuda needs onnxruntime-gpu and an NVIDIA GPU")
-        self.device = device
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.log_severity_level = 3  # TensorScatter warns on every call that it copies the cache
+        self.device, providers, options = _setup(ort, device, threads)
         self._ort = ort
         graph = graph or ("lm_fp8_ref" if engine.manifest["precision"] == "fp8" else "lm_ref")
-        self.lm_session = self._session(engine, graph, options, providers)
-        self.codec_session = self._session(engine, "codec", options, providers)
+        self.lm_session = _session(ort, engine, graph, options, providers)
+        self.codec_session = _session(ort, engine, "codec", options, providers)
         io = engine.graph(graph)
         self.cache_inputs = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
         self.cache_outputs = [t["name"] for t in io["outputs"] if t["name"].startswith("present_")]
         self.cache_shape = next(t["shape"] for t in io["inputs"] if t["name"].startswith("past_"))[1:]
         self.logits_shape = next(t["shape"] for t in io["outputs"] if t["name"] == "logits")[1:]
         self.batch = None
-
-    def _session(self, engine: EngineDir, graph: str, options, providers):
-        session = self._ort.InferenceSession(str(engine.file(graph)), options, providers=providers)
-        expected = engine.graph(graph)
-        for kind, actual in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
-            got = [t.name for t in actual]
-            want = [t["name"] for t in expected[kind]]
-            if got != want:
-                raise HiggsError(f"{engine.file(graph)}: {kind} {got} differ from the manifest's {want}")
-        return session
 
     def _zeros(self, shape, dtype) -> "object":
         return self._ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), self.device, 0)
@@ -85,3 +94,23 @@ class OrtBackend:
 
     def codec(self, codes: np.ndarray) -> np.ndarray:
         return self.codec_session.run(None, {"codes": codes.astype(np.int32)})[0]
+
+
+class OrtEncoder:
+    """codec_encoder.onnx: audio_24k [1,1,N], audio_16k [1,1,M] float32 → codes [1,8,T] int32 (runtime/audio.py
+    resamples and pads the inputs)."""
+
+    name = "ort"
+
+    def __init__(self, engine: EngineDir, device: str = "auto", threads: int = 0):
+        import onnxruntime as ort
+
+        io = engine.graph("codec_encoder")
+        self.device, providers, options = _setup(ort, device, threads)
+        self.session = _session(ort, engine, "codec_encoder", options, providers)
+        self.geometry = io["geometry"]
+        self.identity = engine_identity(self.name, engine)
+
+    def encode(self, audio_24k: np.ndarray, audio_16k: np.ndarray) -> np.ndarray:
+        feeds = {"audio_24k": audio_24k.astype(np.float32), "audio_16k": audio_16k.astype(np.float32)}
+        return self.session.run(None, feeds)[0]
