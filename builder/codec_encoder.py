@@ -147,7 +147,8 @@ class EncoderDims:
         if dims.latent_dim != latent or shape("fc.weight") != (latent, latent):
             raise broken(f"acoustic {dims.acoustic_dim} + semantic {blocks[-1][0]} channels do not match fc / "
                          f"project_in width {latent}")
-        if dims.semantic_downsample < 1 or dims.hop != dims.semantic_downsample * 320 * SAMPLE_RATE // SEMANTIC_RATE:
+        hubert_hop = math.prod(s for _, s in HUBERT_CONV)
+        if dims.semantic_downsample < 1 or dims.hop * SEMANTIC_RATE != dims.semantic_downsample * hubert_hop * SAMPLE_RATE:
             raise broken(f"hop {dims.hop} is not a whole number of 16 kHz HuBERT frames")
         return dims
 

@@ -15,12 +15,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
 BUILD_CODE = ["builder/trt_build.py", "runtime/trt_shim.py"]
-RUNTIME_CODE = ["runtime/trt_backend.py", "runtime/trt_shim.py"]
+RUNTIME_CODE = ["runtime/trt_backend.py", "runtime/trt_encoder.py", "runtime/trt_shim.py"]
 OBJECTS = {  # how our code names TensorRT objects → their class
     "builder": "Builder", "network": "INetworkDefinition", "config": "IBuilderConfig", "parser": "OnnxParser",
     "profile": "IOptimizationProfile", "cache": "ITimingCache", "runtime": "Runtime", "loaded": "ICudaEngine",
     "lm_engine": "ICudaEngine", "codec_engine": "ICudaEngine", "ctx": "IExecutionContext",
     "lm_context": "IExecutionContext", "codec_context": "IExecutionContext", "layer": "ILayer",
+    "encoder_engine": "ICudaEngine", "encoder_context": "IExecutionContext",
 }
 RTX_ONLY = {"num_compute_capabilities", "set_compute_capability", "ComputeCapability"}  # trt_shim.set_target
 REMOVED_IN_11 = [r"set_output_type", r"EXPLICIT_BATCH", r"int8_calibrator", r"BuilderFlag\.(FP16|BF16|INT8|FP8|INT4|FP4)",
