@@ -5,6 +5,8 @@ Graphs (dynamo exporter, opset 24):
                 with two optimization profiles holds the weights once
   lm.ref.onnx   fp32 reference twin for ONNX Runtime (fp32 math on the same bf16 weights)
   codec.onnx    fp32 codec decoder, codes [B,8,T] → waveform [B,1,960·T]
+  codec_encoder.onnx  fp32 codec encoder (voice cloning), audio_24k [1,1,N] + audio_16k [1,1,M] → codes [1,8,T];
+                its length arithmetic (`geometry`) goes into the manifest; absent when the checkpoint has no encoder
 All weights live once in `weights.bin`, copied straight from the checkpoint's bytes; every graph points
 into it (ONNX external data), so the twin costs no second copy and export never holds the weights twice.
 """
@@ -32,6 +34,7 @@ from higgs_trt.runtime.streaming import receptive_field
 from .checkpoint import Checkpoint
 from .codec import PREFIX as CODEC_PREFIX
 from .codec import CodecDecoder, CodecDims
+from .codec_encoder import CodecEncoder, has_encoder
 from .model import HiggsLM
 from .ops import ONNX_OPSET, ONNX_TRANSLATIONS, NativeOps
 
@@ -112,6 +115,16 @@ def export_lm(model: HiggsLM) -> ir.Model:
 def export_codec(codec: CodecDecoder) -> ir.Model:
     codes = torch.zeros(2, codec.dims.num_quantizers, 5, dtype=torch.int32)
     return _export(codec, (codes,), ["codes"], ["audio"], {"codes": {0: "batch", 2: "frames"}})
+
+
+def export_codec_encoder(encoder: CodecEncoder) -> ir.Model:
+    """Batch 1: references are encoded one at a time (clips of different lengths cannot share a batch unmasked)."""
+    frames = 6
+    audio_24k, audio_16k = torch.zeros(1, 1, encoder.dims.hop * frames), torch.zeros(1, 1, encoder.dims.hop * frames * 2 // 3)
+    model = _export(encoder, (audio_24k, audio_16k), ["audio_24k", "audio_16k"], ["codes"],
+                    {"audio_24k": {2: "samples_24k"}, "audio_16k": {2: "samples_16k"}})
+    model.graph.outputs[0].shape = ir.Shape([1, encoder.dims.num_quantizers, "frames"])  # not the exporter's formula
+    return model
 
 
 class WeightsFile:
@@ -323,6 +336,15 @@ def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scal
         model = export_codec(CodecDecoder.from_checkpoint(ckpt))
         weights.place(model, checkpoint_names=False, index_prefix=CODEC_PREFIX)
         save("codec", "codec.onnx", model, "float32", t0)
+        if has_encoder(ckpt):
+            t0 = time.perf_counter()
+            encoder = CodecEncoder.from_checkpoint(ckpt)
+            model = export_codec_encoder(encoder)
+            weights.place(model, checkpoint_names=False, index_prefix=CODEC_PREFIX)
+            save("codec_encoder", "codec_encoder.onnx", model, "float32", t0)
+            graphs["codec_encoder"]["geometry"] = encoder.dims.geometry()
+        else:
+            say("  no codec encoder tensors in the checkpoint: no codec_encoder.onnx (voice cloning from codes only)")
     finally:
         weights.close()
     for g in graphs.values():

@@ -1,9 +1,10 @@
 """Deterministic random checkpoints in the real Higgs v3 layout: `tiny` for CI, `mid` and `real` for benchmarks.
 
 Real file names (`config.json`, sharded `model.safetensors.index.json`, `tokenizer.json`), real config keys,
-real tensor names (including a few the model must ignore: a stored text head, codec encoder and semantic-model
-tensors, quantizer `project_in`/`embed_avg`), and a byte-level BPE tokenizer that carries the Higgs special
-tokens at ids unlike the real ones, so nothing can rely on hard-coded ids.
+real tensor names (including some the decoder must ignore: a stored text head, the codec's whole encoder side —
+DAC acoustic encoder, HuBERT semantic model with its weight-normed positional conv, semantic encoder, `fc`,
+quantizer `project_in` — and `fc1`, `embed_avg`, `masked_spec_embed`), and a byte-level BPE tokenizer that carries
+the Higgs special tokens at ids unlike the real ones, so nothing can rely on hard-coded ids.
 """
 
 import json
@@ -21,17 +22,23 @@ TEXT_CONFIG = {
     "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "max_position_embeddings": 32768,
     "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16",
 }
-REAL_CODEC = {"latent": 1024, "acoustic": 256, "codebook_dim": 64, "channels": (1024, 512, 256, 128, 64, 32)}
-SIZES = {  # text_config dimensions (vocab None: the tokenizer's size) and codec decoder dimensions
+# Codec: acoustic/semantic latent widths, codebook dim, decoder channels; encoder side: DAC encoder width (doubled
+# by each block), HuBERT conv channels, layers, FFN width, positional-conv kernel (16 groups, as in HuBERT-base).
+REAL_CODEC = {"acoustic": 256, "semantic": 768, "codebook_dim": 64, "channels": (1024, 512, 256, 128, 64, 32),
+              "encoder_width": 64, "conv_dim": 512, "layers": 12, "intermediate": 3072, "pos_kernel": 128}
+SIZES = {  # text_config dimensions (vocab None: the tokenizer's size) and codec dimensions
     "tiny": ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 128, "vocab_size": None},
-             {"latent": 32, "acoustic": 16, "codebook_dim": 8, "channels": (64, 32, 16, 8, 4, 2)}),
+             {"acoustic": 16, "semantic": 128, "codebook_dim": 8, "channels": (64, 32, 16, 8, 4, 2),
+              "encoder_width": 4, "conv_dim": 32, "layers": 2, "intermediate": 256, "pos_kernel": 16}),
     "mid": ({"hidden_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
              "head_dim": 128, "intermediate_size": 5376, "vocab_size": 16384}, REAL_CODEC),
     "real": ({"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
               "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936}, REAL_CODEC),
 }
 CODEC_STRIDES = (8, 5, 4, 2, 3)
+HUBERT_KERNELS = (10, 3, 3, 3, 3, 2, 2)  # strides 5,2,2,2,2,2,2: 320 samples per frame at 16 kHz
+SEMANTIC_BLOCKS, SEMANTIC_UNITS = 2, 2  # the Higgs semantic encoder: 2 blocks (stride 1) of 2 residual units
 HIGGS_SPECIALS = ["<|tts|>", "<|audio|>", "<|audio_end|>", "<|text|>", "<|text_end|>", "<|eoc|>",
                   "<|ref_audio|>", "<|ref_text|>", "<|emotion:elation|>", "<|prosody:pause|>"]
 CORPUS = [
@@ -94,12 +101,10 @@ def _lm_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _codec_shapes(codec: dict) -> dict[str, tuple[int, ...]]:
-    latent, acoustic, dim, c = codec["latent"], codec["acoustic"], codec["codebook_dim"], codec["channels"]
-    shapes = {"fc2.weight": (acoustic, latent), "fc2.bias": (acoustic,),
-              # encoder side, never read by the decoder:
-              "fc.weight": (latent, latent), "fc1.weight": (16, latent),
-              "acoustic_encoder.conv1.weight": (4, 1, 7), "semantic_model.feature_projection.projection.weight": (16, 8),
-              "semantic_model.encoder.pos_conv_embed.conv.parametrizations.weight.original0": (1, 1, 4)}
+    acoustic, semantic, dim, c = codec["acoustic"], codec["semantic"], codec["codebook_dim"], codec["channels"]
+    latent = acoustic + semantic
+    shapes = {"fc2.weight": (acoustic, latent), "fc2.bias": (acoustic,), "fc.weight": (latent, latent),
+              "fc.bias": (latent,), "fc1.weight": (semantic, latent), "fc1.bias": (semantic,)}  # fc1: semantic decoder side
     for i in range(8):
         p = f"quantizer.quantizers.{i}."
         shapes |= {p + "codebook.embed": (1024, dim), p + "codebook.embed_avg": (1024, dim),
@@ -114,11 +119,62 @@ def _codec_shapes(codec: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "snake1.alpha": (1, c[b], 1), p + "conv_t1.weight": (c[b], c[b + 1], 2 * s),
                    p + "conv_t1.bias": (c[b + 1],)}
         for r in (1, 2, 3):
-            u = f"{p}res_unit{r}."
-            shapes |= {u + "snake1.alpha": (1, c[b + 1], 1), u + "conv1.weight": (c[b + 1], c[b + 1], 7),
-                       u + "conv1.bias": (c[b + 1],), u + "snake2.alpha": (1, c[b + 1], 1),
-                       u + "conv2.weight": (c[b + 1], c[b + 1], 1), u + "conv2.bias": (c[b + 1],)}
-    return {CODEC + n: s for n, s in shapes.items()}
+            shapes |= _residual_unit(f"{p}res_unit{r}.", c[b + 1])
+    return {CODEC + n: s for n, s in (shapes | _encoder_shapes(codec)).items()}
+
+
+def _residual_unit(p: str, ch: int) -> dict[str, tuple[int, ...]]:
+    """A DAC residual unit: Snake, conv k7 (dilated), Snake, conv k1."""
+    return {p + "snake1.alpha": (1, ch, 1), p + "conv1.weight": (ch, ch, 7), p + "conv1.bias": (ch,),
+            p + "snake2.alpha": (1, ch, 1), p + "conv2.weight": (ch, ch, 1), p + "conv2.bias": (ch,)}
+
+
+def _encoder_shapes(codec: dict) -> dict[str, tuple[int, ...]]:
+    """The codec's encoder side under its real names: DAC encoder, HuBERT (transformers' HubertModel, base
+    layout: group-norm feature encoder without conv biases, post-norm layers), semantic encoder."""
+    shapes = {}
+    a, w = "acoustic_encoder.", codec["encoder_width"]
+    shapes |= {a + "conv1.weight": (w, 1, 7), a + "conv1.bias": (w,)}
+    for b, s in enumerate(CODEC_STRIDES):
+        p, ch = f"{a}block.{b}.", w << b
+        for r in (1, 2, 3):
+            shapes |= _residual_unit(f"{p}res_unit{r}.", ch)
+        shapes |= {p + "snake1.alpha": (1, ch, 1), p + "conv1.weight": (2 * ch, ch, 2 * s), p + "conv1.bias": (2 * ch,)}
+    top = w << len(CODEC_STRIDES)
+    shapes |= {a + "snake1.alpha": (1, top, 1), a + "conv2.weight": (codec["acoustic"], top, 3),
+               a + "conv2.bias": (codec["acoustic"],)}
+
+    h, cd, ff, k = codec["semantic"], codec["conv_dim"], codec["intermediate"], codec["pos_kernel"]
+    m = "semantic_model."
+    shapes |= {m + "masked_spec_embed": (h,)}  # training-only, stored in HuBERT checkpoints
+    for i, kernel in enumerate(HUBERT_KERNELS):
+        shapes[f"{m}feature_extractor.conv_layers.{i}.conv.weight"] = (cd, 1 if i == 0 else cd, kernel)
+    shapes |= {m + "feature_extractor.conv_layers.0.layer_norm.weight": (cd,),
+               m + "feature_extractor.conv_layers.0.layer_norm.bias": (cd,),
+               m + "feature_projection.layer_norm.weight": (cd,), m + "feature_projection.layer_norm.bias": (cd,),
+               m + "feature_projection.projection.weight": (h, cd), m + "feature_projection.projection.bias": (h,)}
+    e = m + "encoder."
+    shapes |= {e + "pos_conv_embed.conv.bias": (h,),
+               e + "pos_conv_embed.conv.parametrizations.weight.original0": (1, 1, k),  # weight norm g (dim=2)
+               e + "pos_conv_embed.conv.parametrizations.weight.original1": (h, h // 16, k),  # weight norm v
+               e + "layer_norm.weight": (h,), e + "layer_norm.bias": (h,)}
+    for i in range(codec["layers"]):
+        p = f"{e}layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes |= {f"{p}attention.{proj}.weight": (h, h), f"{p}attention.{proj}.bias": (h,)}
+        shapes |= {p + "layer_norm.weight": (h,), p + "layer_norm.bias": (h,),
+                   p + "feed_forward.intermediate_dense.weight": (ff, h), p + "feed_forward.intermediate_dense.bias": (ff,),
+                   p + "feed_forward.output_dense.weight": (h, ff), p + "feed_forward.output_dense.bias": (h,),
+                   p + "final_layer_norm.weight": (h,), p + "final_layer_norm.bias": (h,)}
+
+    s = "encoder_semantic."
+    shapes[s + "conv.weight"] = (h, h, 3)
+    for b in range(SEMANTIC_BLOCKS):
+        p = f"{s}conv_blocks.{b}."
+        for u in range(SEMANTIC_UNITS):
+            shapes |= {f"{p}res_units.{u}.conv1.weight": (h, h, 3), f"{p}res_units.{u}.conv2.weight": (h, h, 1)}
+        shapes |= {p + "conv.weight": (h, h, 3), p + "conv.bias": (h,)}
+    return shapes
 
 
 def _random(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -133,6 +189,8 @@ def _scaled(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(".alpha"):
         return 0.5 + torch.rand(shape, generator=gen)
+    if name.endswith("weight.original0"):  # a weight-norm magnitude per kernel tap
+        return 1.0 + torch.rand(shape, generator=gen)
     if name.endswith("modality_embeddings.0.embedding.weight"):
         return 0.5 * torch.randn(shape, generator=gen)  # also the head: logits of std ≈ 4
     if name.endswith(("embedding.weight", "codebook.embed", "text_head.weight")):

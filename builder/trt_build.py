@@ -6,6 +6,7 @@
   [B, Hkv, S_max, D] inputs in both profiles (TensorRT's KV-cache layer needs a static S_max).
 - `codec.plan`: codes [B, 8, T] → waveform, B = 1..max_batch windows of T = 1..CODEC_MAX_FRAMES frames (the
   runtime decodes audio only in streaming windows; TensorRT sizes context memory for the profile's maximum).
+- `codec_encoder.plan` (when the graph exists): reference audio of 1..30 s → codes; both inputs' lengths vary.
 
 Networks are strongly typed (precision comes from the ONNX tensor types and explicit Q/DQ; TensorRT 11 has no
 precision flags). `target` builds with TensorRT-RTX for that compute capability (works without a GPU);
@@ -19,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from higgs_trt.runtime import cuda, trt_shim
+from higgs_trt.runtime.audio import MAX_SECONDS, MIN_SECONDS, SAMPLE_RATE, SEMANTIC_RATE
 from higgs_trt.runtime.decoding import CODEC_MAX_FRAMES
 from higgs_trt.runtime.errors import HiggsError
 
 WORKSPACE = 4 << 30
 TIMING_CACHE = "timing.cache"
-PLANS = {"lm": "lm.plan", "codec": "codec.plan"}
+PLANS = {"lm": "lm.plan", "codec": "codec.plan", "codec_encoder": "codec_encoder.plan"}
 
 
 @dataclass
@@ -58,6 +60,15 @@ CODEC_OPT_FRAMES = 45  # a streaming window: 10 frames of left context + 25 new 
 def codec_ranges(limits: dict) -> dict:
     return {"decode": {"batch": (1, 1, limits["max_batch"]),
                        "frames": (1, min(CODEC_OPT_FRAMES, CODEC_MAX_FRAMES), CODEC_MAX_FRAMES)}}
+
+
+def encoder_ranges(geometry: dict) -> dict:
+    """Reference lengths 1..30 s (10 s optimal); the 24 kHz input may carry the hop/2 padding on both sides."""
+    def samples(rate: int, extra: int = 0) -> tuple[int, int, int]:
+        return int(MIN_SECONDS * rate), 10 * rate, int(MAX_SECONDS * rate) + extra
+
+    return {"encode": {"samples_24k": samples(SAMPLE_RATE, 2 * geometry["acoustic_pad"]),
+                       "samples_16k": samples(SEMANTIC_RATE)}}
 
 
 def build_plan(trt, onnx_path: Path, profiles: dict, target: str | None, lean: bool, timing_cache: Path | None,
@@ -102,7 +113,8 @@ def build_plan(trt, onnx_path: Path, profiles: dict, target: str | None, lean: b
 
 
 def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str | None, lean: bool, say) -> dict:
-    """Build lm and codec plans into `engine_dir`; returns the manifest's `engines` and `build` sections."""
+    """Build lm, codec (and codec_encoder) plans into `engine_dir`; returns the manifest's `engines` and `build`
+    sections."""
     trt = trt_shim.load("rtx") if target else datacenter_tensorrt()
     limits = manifest["limits"]
     engines = {}
@@ -115,7 +127,10 @@ def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str |
         else:
             qdp.check_ptx(manifest, cuda.capability(), cuda.driver_version())
             registered = qdp.register(engine_dir, manifest)
-    for key, graph, ranges in (("lm", lm_graph, lm_ranges(limits)), ("codec", "codec", codec_ranges(limits))):
+    plans = [("lm", lm_graph, lm_ranges(limits)), ("codec", "codec", codec_ranges(limits))]
+    if "codec_encoder" in manifest["graphs"]:
+        plans.append(("codec_encoder", "codec_encoder", encoder_ranges(manifest["graphs"]["codec_encoder"]["geometry"])))
+    for key, graph, ranges in plans:
         io = manifest["graphs"][graph]
         profiles = profiles_for(io, ranges)
         names = ", ".join(p["name"] for p in profiles)

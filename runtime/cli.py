@@ -53,6 +53,19 @@ def check_outputs(out: Path | None, codes_out: Path | None, inputs) -> None:
         raise HiggsError(f"--out and --codes-out name the same file ({out})")
 
 
+def _reference_codes(path: Path, sources, device: str):
+    """Reference codes [T, 8] from an audio file, and a line saying what was done."""
+    from .audio import encode_reference, load_reference_audio
+    from .engines import open_encoder
+
+    audio = load_reference_audio(path)  # every check before any model is loaded
+    t0 = time.perf_counter()
+    encoder = open_encoder(sources, device)
+    codes = encode_reference(audio, encoder)
+    return codes, (f"encoded {audio.seconds:.2f} s of reference audio ({audio.source_rate} Hz) → {len(codes)} frames "
+                   f"with the {encoder.name} encoder in {time.perf_counter() - t0:.1f} s")
+
+
 @main.command()
 @click.option("--text", required=True, help="Text to speak (inline style tags like <|emotion:elation|> allowed).")
 @click.option("--out", "out", type=click.Path(path_type=Path, allow_dash=True), required=True,
@@ -69,7 +82,10 @@ def check_outputs(out: Path | None, codes_out: Path | None, inputs) -> None:
                    "trt: lean loads --lean plans with tensorrt_lean.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8"]), help="Refuse an engine of another precision.")
 @click.option("--ref-codes", type=click.Path(path_type=Path), help="Voice clone: reference audio codes [T,8] (.npy).")
-@click.option("--ref-text", help="Voice clone: transcript of the reference audio (needs --ref-codes).")
+@click.option("--ref-audio", type=click.Path(path_type=Path),
+              help="Voice clone: a reference recording (wav/flac/ogg/mp3, mono or stereo, 1–30 s), encoded with the "
+                   "backend's codec encoder.")
+@click.option("--ref-text", help="Voice clone: transcript of the reference audio (needs --ref-codes or --ref-audio).")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 is greedy (argmax).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely codes (0: all).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off).")
@@ -85,11 +101,12 @@ def check_outputs(out: Path | None, codes_out: Path | None, inputs) -> None:
 @click.option("--first-holdback", type=int,
               help="Low latency: a smaller holdback for the first chunk only (its last samples are then not exact).")
 @click.pass_context
-def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_codes, ref_text, temperature, top_k, top_p,
-        seed, codes_out, max_seq, stream, first_chunk, chunk, context, holdback, first_holdback):
+def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_codes, ref_audio, ref_text, temperature,
+        top_k, top_p, seed, codes_out, max_seq, stream, first_chunk, chunk, context, holdback, first_holdback):
     """Speak TEXT into a wav file (or stream it as it is decoded)."""
     import sys
 
+    from .engines import choose_backend, load_tokenizer, open_engine, open_sources
     from .options import sampling
     from .outputs import write_file
     from .prompt import build_prompt, check_text, load_reference_codes
@@ -99,20 +116,28 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
 
     settings = sampling(temperature, top_k, top_p, seed)
     check_text(text)
+    if ref_codes and ref_audio:
+        raise HiggsError("give --ref-codes or --ref-audio, not both")
     if ref_text is not None:
-        if ref_codes is None:
-            raise HiggsError("--ref-text needs --ref-codes (the transcript of which reference audio?)")
+        if ref_codes is None and ref_audio is None:
+            raise HiggsError("--ref-text needs --ref-codes or --ref-audio (the transcript of which reference audio?)")
         check_text(ref_text, "reference text")
     to_stdout = str(out) == "-"
     if to_stdout and not stream:
         raise HiggsError("--out - (raw PCM on stdout) needs --stream")
-    inputs = (checkpoint, engine, ref_codes)
+    inputs = (checkpoint, engine, ref_codes, ref_audio)
     check_outputs(None if to_stdout else out, codes_out, inputs)
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     ref = load_reference_codes(ref_codes) if ref_codes else None
 
     t0 = time.perf_counter()
-    _, model, tokenizer = _engine(ctx, backend, engine, checkpoint, device, precision, max_seq)
+    name = choose_backend(backend, engine, checkpoint, device, given(ctx))
+    sources = open_sources(name, engine, checkpoint, precision, max_seq)
+    tokenizer = load_tokenizer(sources)
+    if ref_audio:
+        ref, done = _reference_codes(ref_audio, sources, device)
+        say(done)
+    model = open_engine(sources, device=device, max_seq=max_seq, precision=precision, say=say)
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
     prompt = build_prompt(tokenizer, text, ref, ref_text)
     request = request_for(model, prompt, settings)
@@ -166,9 +191,37 @@ def stream_plan(first_chunk: int, chunk: int, context: int | None, holdback: int
     return plan
 
 
+@main.command("encode-audio")
+@click.option("--audio", type=click.Path(path_type=Path), required=True,
+              help="Reference recording: wav/flac/ogg/mp3, mono or stereo, 1–30 s.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Codes to write: frames [T,8] int32 (.npy).")
+@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (its codec_encoder graph or plan).")
+@click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch encoder).")
+@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="Default: ort with --engine, else torch.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True)
+@click.pass_context
+def encode_audio(ctx, audio, out, engine, checkpoint, backend, device):
+    """Encode a reference recording into codes for `run --ref-codes` (the layout --codes-out writes)."""
+    from .engines import choose_backend, open_sources
+    from .outputs import output_file, write_file
+
+    inputs = (checkpoint, engine, audio)
+    output_file(out, inputs)
+    sources = open_sources(choose_backend(backend, engine, checkpoint, device, given(ctx)), engine, checkpoint, None, None)
+    codes, done = _reference_codes(audio, sources, device)
+
+    def save(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, codes)
+
+    write_file(out, save, inputs)
+    say(f"{done}; wrote {out}")
+
+
 @main.group()
 def bench():
-    """Benchmarks that print figures: decode loop, streaming, export memory, BF16 vs FP8 builds, kernels."""
+    """Benchmarks that print figures: decode loop, streaming, reference encoding, export memory, BF16 vs FP8
+    builds, kernels."""
 
 
 def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, precision, placeholder_scales):
@@ -278,6 +331,26 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     run_stream(model, prompt, 1, 1, rows, settings)  # warm-up
     for c in levels:
         click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings).line())
+
+
+@bench.command("encode")
+@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (ort or trt encoder).")
+@click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch encoder).")
+@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="Default: ort with --engine, else torch.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True)
+@click.option("--seconds", type=click.FloatRange(1, 30), default=10.0, show_default=True, help="Reference length.")
+@click.option("--repeats", type=click.IntRange(1), default=5, show_default=True, help="Timed encodes (median shown).")
+@click.pass_context
+def bench_encode(ctx, engine, checkpoint, backend, device, seconds, repeats):
+    """Time encoding a reference: reading + resampling a 44.1 kHz stereo wav, then the codec encoder alone."""
+    from . import extras
+    from .bench_encode import run_encode_bench
+    from .engines import choose_backend, open_encoder, open_sources
+
+    name = choose_backend(backend, engine, checkpoint, device, given(ctx))
+    encoder = open_encoder(open_sources(name, engine, checkpoint, None, None), device)
+    with extras.needed("audio", "bench encode"):
+        click.echo(run_encode_bench(encoder, seconds, repeats))
 
 
 @main.command()

@@ -44,7 +44,7 @@ def choose_backend(name: str | None, engine: Path | None, checkpoint: Path | Non
 
 
 def open_sources(backend: str, engine_dir: Path | None, checkpoint: Path | None, precision: str | None,
-                 max_seq: int) -> Sources:
+                 max_seq: int | None) -> Sources:
     """The engine directory and checkpoint, verified and checked against each other; no weights are read yet."""
     from .options import within
 
@@ -58,7 +58,7 @@ def open_sources(backend: str, engine_dir: Path | None, checkpoint: Path | None,
         ckpt = Checkpoint(checkpoint)
         if engine:
             engine.check_checkpoint(ckpt.fingerprint(), checkpoint)
-        elif backend == "torch":
+        elif backend == "torch" and max_seq is not None:
             within("--max-seq", max_seq, 16, ckpt.config.max_position_embeddings, "the model's max_position_embeddings")
     return Sources(backend, engine, ckpt)
 
@@ -132,3 +132,29 @@ def _torch(engine: EngineDir | None, ckpt, device: str, max_seq: int, max_batch:
             say("calibrating FP8 scales on the built-in prompt set…")
             amax = calibrate(ckpt.dir, device="cuda")["activation_amax"]
     return load_gpu_engine(source, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=amax, say=say)
+
+
+def open_encoder(sources: Sources, device: str = "auto"):
+    """The codec encoder for reference audio (runtime/audio.py's Encoder): torch on the checkpoint's encoder tensors
+    (CPU or CUDA), or ort / trt on the engine directory's codec_encoder graph."""
+    engine = sources.engine
+    if sources.backend == "torch":
+        ckpt = sources.checkpoint
+        if ckpt is None:
+            raise HiggsError("--ref-audio with --backend torch needs --checkpoint (the torch encoder reads the "
+                             "checkpoint's encoder tensors); or encode with --backend ort/trt on the engine directory")
+        from higgs_trt.builder.codec_encoder import TorchEncoder, has_encoder
+
+        if not has_encoder(ckpt):
+            raise HiggsError(f"{ckpt.dir}: carries no codec encoder tensors; clone from reference codes (--ref-codes)")
+        return TorchEncoder(ckpt, None if device in ("auto", "lean") else device)
+    if "codec_encoder" not in engine.manifest["graphs"]:
+        raise HiggsError(f"{engine.path}: has no codec encoder (codec_encoder.onnx): its checkpoint carries no encoder "
+                         "tensors, or an older version exported it; clone from reference codes (--ref-codes)")
+    if sources.backend == "trt":
+        from .trt_encoder import TrtEncoder
+
+        return TrtEncoder(engine, "lean" if device == "lean" else "tensorrt")
+    with extras.needed("ort", "--backend ort"):
+        from .ort_backend import OrtEncoder
+    return OrtEncoder(engine)

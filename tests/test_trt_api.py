@@ -27,6 +27,7 @@ CODE = {  # module → the bindings it runs with
     "builder/compare.py": ("11", "10"),
     "runtime/trt_shim.py": ("11", "10", "rtx", "lean"),
     "runtime/trt_backend.py": ("11", "10", "lean", "rtx"),
+    "runtime/trt_encoder.py": ("11", "10", "lean", "rtx"),
     "runtime/doctor.py": ("11", "10", "rtx", "lean"),
     "plugins/qdp.py": ("11", "10"),
     "plugins/rtx_build.py": ("rtx",),
@@ -35,8 +36,9 @@ OBJECTS = {  # how our code names TensorRT objects → their class
     "builder": "Builder", "network": "INetworkDefinition", "config": "IBuilderConfig", "parser": "OnnxParser",
     "profile": "IOptimizationProfile", "cache": "ITimingCache", "runtime": "Runtime", "loaded": "ICudaEngine",
     "lm_engine": "ICudaEngine", "codec_engine": "ICudaEngine", "trt_engine": "ICudaEngine",
-    "ctx": "IExecutionContext", "lm_context": "IExecutionContext", "codec_context": "IExecutionContext",
-    "trt_context": "IExecutionContext", "layer": "ILayer", "registry": "IPluginRegistry",
+    "encoder_engine": "ICudaEngine", "ctx": "IExecutionContext", "lm_context": "IExecutionContext",
+    "codec_context": "IExecutionContext", "encoder_context": "IExecutionContext", "trt_context": "IExecutionContext",
+    "layer": "ILayer", "registry": "IPluginRegistry",
 }
 RTX_ONLY = {"num_compute_capabilities", "set_compute_capability", "ComputeCapability"}  # trt_shim.set_target
 REMOVED_IN_11 = [r"set_output_type", r"EXPLICIT_BATCH", r"int8_calibrator", r"BuilderFlag\.(FP16|BF16|INT8|FP8|INT4|FP4)",

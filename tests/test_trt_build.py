@@ -37,6 +37,9 @@ def test_native_layers_are_in_the_built_network(built):
     assert NATIVE_LAYERS <= set(layers), layers
     assert layers["ROTARY_EMBEDDING"] == 4 and layers["KV_CACHE_UPDATE"] == 4  # q,k per layer; k,v per layer
     assert "DECONVOLUTION" in m["engines"]["codec"]["layers"]
+    encoder = m["engines"]["codec_encoder"]["layers"]  # DAC + HuBERT convs, attention written out, ArgMax as TopK
+    assert {"CONVOLUTION", "MATRIX_MULTIPLY", "SOFTMAX", "NORMALIZATION", "TOPK"} <= set(encoder), encoder
+    assert encoder["CONVOLUTION"] == 56 and encoder["TOPK"] == 8
 
 
 def test_plans_and_manifest(built):
@@ -44,7 +47,7 @@ def test_plans_and_manifest(built):
     m = EngineDir(out).manifest
     assert m["build"]["builder"] == "tensorrt-rtx" and m["build"]["target"] == "sm89" and m["build"]["version"]
     assert m["precision"] == "bf16"
-    for key in ("lm", "codec"):
+    for key in ("lm", "codec", "codec_encoder"):
         plan = out / m["engines"][key]["file"]
         assert plan.stat().st_size > 1 << 20 and len(set(plan.read_bytes()[:4096])) > 16
         assert m["files"][plan.name]["bytes"] == plan.stat().st_size
@@ -55,6 +58,9 @@ def test_plans_and_manifest(built):
     assert decode["shapes"]["past_key_0"][2] == [4, 2, 160, 16]  # static S_max cache
     # the codec decodes streaming windows: 1..max_batch of them, 1..CODEC_MAX_FRAMES frames, tuned for 10 + 25 + 10
     assert m["engines"]["codec"]["profiles"][0]["shapes"]["codes"] == [[1, 8, 1], [1, 8, 45], [4, 8, 128]]
+    (encode,) = m["engines"]["codec_encoder"]["profiles"]  # 1..30 s references, 10 s optimal; 24 kHz + hop/2 pads
+    assert encode["shapes"] == {"audio_24k": [[1, 1, 24000], [1, 1, 240000], [1, 1, 720960]],
+                                "audio_16k": [[1, 1, 16000], [1, 1, 160000], [1, 1, 480000]]}
 
 
 def test_trt_backend_refusals_on_this_machine(built, tiny_engine):

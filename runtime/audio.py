@@ -1,0 +1,154 @@
+"""Reference audio for voice cloning: file → checked mono signal → 24 kHz + 16 kHz → codec encoder → codes [T, 8].
+
+Reading: `soundfile` (libsndfile: wav, flac, ogg/vorbis/opus, mp3, …); down-mix to mono by the channel mean.
+Resampling: `soxr` (libsoxr, "HQ"), straight from the file's rate to 24 kHz (acoustic branch) and to 16 kHz (HuBERT),
+the 16 kHz signal cut or zero-extended to ceil(2N/3) samples — the length transformers' encode gets from its own
+24 → 16 kHz resampling (torchaudio), so every (24 kHz, 16 kHz) pair is one the reference encoder could see. Resampling
+stays outside the encoder graph. Its error against the reference pipeline's resampler is in the README.
+
+The encoder graph has one path: when the acoustic branch would give a different frame count than the semantic one,
+transformers pads the 24 kHz signal by hop/2 = 480 samples each side; `acoustic_padding` decides that here from
+the graph's geometry (recorded in the manifest), and the padded signal is what the graph gets.
+
+Encoded references are cached in this process by a hash of the decoded audio (samples + rate) and the encoder's
+identity (checkpoint fingerprint + encoder graph digest), never by token ids: a server or a batch run encodes each
+distinct reference once. Across processes, save codes with `higgs-trt encode-audio` and pass them as --ref-codes.
+"""
+
+import hashlib
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from . import extras
+from .errors import HiggsError
+
+SAMPLE_RATE = 24000  # the codec's rate (acoustic branch)
+SEMANTIC_RATE = 16000  # HuBERT's rate
+SEMANTIC_PAD = 160  # zeros each side of the 16 kHz signal (transformers' encode)
+MIN_SECONDS, MAX_SECONDS = 1.0, 30.0
+MAX_CHANNELS = 2
+SILENCE = 1e-3  # peak below −60 dBFS: nothing for the encoder to clone
+RESAMPLE_QUALITY = "HQ"
+CACHE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class ReferenceAudio:
+    audio_24k: np.ndarray  # [N] float32
+    audio_16k: np.ndarray  # [ceil(2N/3)] float32
+    sha256: str  # of the decoded mono samples and their rate
+    seconds: float
+    source_rate: int
+
+
+def load_reference_audio(path: Path) -> ReferenceAudio:
+    """Read, check, down-mix and resample a reference recording; every problem is one HiggsError."""
+    with extras.needed("audio", "reference audio"):
+        import soundfile
+        import soxr
+    path = Path(path)
+    if not path.is_file():
+        raise HiggsError(f"{path}: reference audio not found")
+    try:
+        info = soundfile.info(str(path))
+        _check_shape(path, info.channels, info.frames, info.samplerate)
+        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # unknown, corrupt, truncated
+        raise HiggsError(f"{path}: cannot read audio ({str(e).strip() or type(e).__name__})") from None
+    _check_shape(path, samples.shape[1], samples.shape[0], rate)
+    if not np.isfinite(samples).all():
+        raise HiggsError(f"{path}: contains NaN or infinite samples")
+    mono = samples.mean(axis=1, dtype=np.float32)
+    if np.abs(mono).max() < SILENCE:
+        raise HiggsError(f"{path}: is silent (peak below −60 dBFS)")
+    audio_24k = soxr.resample(mono, rate, SAMPLE_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
+    audio_16k = soxr.resample(mono, rate, SEMANTIC_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
+    audio_16k = _fit(audio_16k, math.ceil(len(audio_24k) * SEMANTIC_RATE / SAMPLE_RATE))
+    digest = hashlib.sha256(np.int64(rate).tobytes() + mono.tobytes()).hexdigest()
+    return ReferenceAudio(audio_24k, audio_16k, digest, len(mono) / rate, rate)
+
+
+def _check_shape(path: Path, channels: int, frames: int, rate: int) -> None:
+    if channels > MAX_CHANNELS:
+        raise HiggsError(f"{path}: has {channels} channels; reference audio must be mono or stereo")
+    if frames <= 0 or rate <= 0:
+        raise HiggsError(f"{path}: is empty (no audio samples)")
+    seconds = frames / rate
+    if seconds < MIN_SECONDS:
+        raise HiggsError(f"{path}: {seconds:.2f} s of audio; a reference needs at least {MIN_SECONDS:g} s")
+    if seconds > MAX_SECONDS:
+        raise HiggsError(f"{path}: {seconds:.1f} s of audio; a reference may be at most {MAX_SECONDS:g} s (trim it)")
+
+
+def _fit(x: np.ndarray, length: int) -> np.ndarray:
+    return x[:length] if len(x) >= length else np.pad(x, (0, length - len(x)))
+
+
+# ---- the encoder's input lengths -------------------------------------------------------------------------------
+
+def conv_frames(length: int, convs: list) -> int:
+    for kernel, stride, padding in convs:
+        length = (length + 2 * padding - kernel) // stride + 1
+    return length
+
+
+def branch_frames(n_24k: int, n_16k: int, geometry: dict) -> tuple[int, int]:
+    """(acoustic, semantic) frame counts of the encoder graph for signals of these lengths."""
+    hubert = conv_frames(n_16k + 2 * geometry["semantic_pad"], geometry["semantic"])
+    semantic = conv_frames(-(-hubert // geometry["semantic_downsample"]), geometry["semantic_encoder"])
+    return conv_frames(n_24k, geometry["acoustic"]), semantic
+
+
+def acoustic_padding(n_24k: int, n_16k: int, geometry: dict) -> int:
+    """Samples of zeros each side of the 24 kHz signal: 0, or hop/2 when the branches' frame counts differ."""
+    acoustic, semantic = branch_frames(n_24k, n_16k, geometry)
+    if acoustic == semantic:
+        return 0
+    pad = geometry["acoustic_pad"]
+    if branch_frames(n_24k + 2 * pad, n_16k, geometry)[0] != semantic:
+        raise HiggsError(f"reference audio of {n_24k} + {n_16k} samples (24/16 kHz) gives no matching frame counts")
+    return pad
+
+
+# ---- encoding, cached ------------------------------------------------------------------------------------------
+
+class Encoder(Protocol):
+    name: str
+    identity: str  # what the codes depend on besides the audio: checkpoint and encoder graph
+    geometry: dict
+
+    def encode(self, audio_24k: np.ndarray, audio_16k: np.ndarray) -> np.ndarray:
+        """audio_24k [B,1,N] (padded by `acoustic_padding`), audio_16k [B,1,M] float32 → codes [B,8,T] int32."""
+
+
+_cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+
+
+def engine_identity(backend: str, engine) -> str:
+    """What an engine directory's encoder codes depend on: backend, checkpoint, the encoder graph's bytes."""
+    digest = engine.manifest["files"][engine.graph("codec_encoder")["file"]]
+    return f"{backend}:{engine.fingerprint}:{digest.get('sha256') or digest.get('sampled_sha256')}"
+
+
+def encoder_inputs(ref: ReferenceAudio, geometry: dict) -> tuple[np.ndarray, np.ndarray]:
+    pad = acoustic_padding(len(ref.audio_24k), len(ref.audio_16k), geometry)
+    return np.pad(ref.audio_24k, (pad, pad))[None, None], ref.audio_16k[None, None]
+
+
+def encode_reference(ref: ReferenceAudio, encoder: Encoder) -> np.ndarray:
+    """Reference codes [T, 8] int32 (the layout --ref-codes reads), from the cache when this audio was seen."""
+    key = (encoder.identity, ref.sha256)
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    codes = encoder.encode(*encoder_inputs(ref, encoder.geometry))[0].T.astype(np.int32)
+    codes.flags.writeable = False
+    _cache[key] = codes
+    if len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return codes
