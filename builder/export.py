@@ -89,6 +89,8 @@ def attach_plugin_functions(model: ir.Model) -> None:
             continue
         if node.op_type == "rope_kv_write":  # q_out like q; the caches like their inputs
             types = [node.inputs[0].type, node.inputs[6].type, node.inputs[7].type]
+        elif node.op_type == "decode_attention":  # like q
+            types = [node.inputs[0].type]
         else:  # codes int32; the embedding like the table
             types = [ir.TensorType(ir.DataType.INT32), node.inputs[3].type]
         for value, type_ in zip(node.outputs, types):
@@ -289,13 +291,13 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
 
 
 def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
-    """PTX of both plugin kernels for this model's dimensions, written beside the graphs (TensorRT embeds it)."""
+    """PTX of the plugin kernels for this model's dimensions, written beside the graphs (TensorRT embeds it)."""
     from higgs_trt.runtime import extras
 
     with extras.needed("gpu", "--ops plugin (compiling its Triton kernels to PTX)"):
-        from higgs_trt.plugins.aot import compile_kernel, constants_for
+        from higgs_trt.plugins.aot import OPS, compile_kernel, constants_for
     cfg, plugins = ckpt.config, {}
-    for op in ("rope_kv_write", "delayed_codebook_step"):
+    for op in OPS:
         kernel = compile_kernel(op, constants_for(op, cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                                                   cfg.codebook_vocab, cfg.num_codebooks))
         (staging / f"{op}.ptx").write_text(kernel.ptx)

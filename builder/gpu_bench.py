@@ -238,18 +238,20 @@ def bench_decode(engine: GpuEngine, prompt, batches=(1, 8, 64), rows: int = 250,
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
         scheduler = Scheduler(engine)
         for _ in range(2):  # the first run warms the prefill's kernels
-            engine.waited = 0.0
+            engine.waited, engine.prefill_seconds = 0.0, 0.0
             engine.codec_seconds.clear()
-            request = scheduler.submit(request_for(engine, prompt, sampling, hard_cap=rows))
+            request = request_for(engine, prompt, sampling, hard_cap=rows)
+            request.fixed_rows = True
+            scheduler.submit(request)
             t0 = time.perf_counter()
             scheduler.run()
             wall = time.perf_counter() - t0
         n = len(request.utterance.rows)
         codec = sum(engine.codec_seconds)
-        host = (wall - engine.waited - codec) / n
+        host = (wall - engine.waited - codec - engine.prefill_seconds) / n
         say(f"  1 stream {'greedy' if sampling.greedy else 'T=1':<7} {n} rows in {wall * 1e3:7.1f} ms: "
-            f"first audio {1e3 * (request.first_audio_at - request.submitted_at):6.1f} ms, host {1e6 * host:5.1f} µs/row")
-    torch.cuda.reset_peak_memory_stats()
+            f"first audio {1e3 * (request.first_audio_at - request.submitted_at):6.1f} ms (prefill issued in "
+            f"{1e3 * engine.prefill_seconds:.1f} ms), host {1e6 * host:5.1f} µs/row, codec {1e3 * codec:.1f} ms")
     for b in batches:
         if b > engine.max_batch:
             continue

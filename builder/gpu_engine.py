@@ -212,7 +212,8 @@ class GpuEngine:
         self.epochs = [0] * max_batch  # bumped by each prefill: rows launched before it belong to the old request
         self.live = [False] * max_batch
         self.pending: list = []  # launches whose codes the host has not read: (event, kind, slots, epochs, parity)
-        self.waited = 0.0  # seconds the host spent waiting for the GPU in rows() (benchmarks read it)
+        self.waited = 0.0  # seconds the host spent waiting for the GPU in rows() (benchmarks read these)
+        self.prefill_seconds = 0.0
         self.codec_seconds: list[float] = []
         self.parity = 0
         self.graphs: dict = {}
@@ -233,7 +234,7 @@ class GpuEngine:
             plugin_kernels.qk_norm_rope_kv_write[(n,)](
                 self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.write_pos, self.q, k_cache, v_cache,
                 1, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2)
-            plugin_kernels.decode_attention[(n, hkv, ws.chunks)](
+            plugin_kernels.decode_attention_split[(n, hkv, ws.chunks)](
                 self.q, k_cache, v_cache, self.write_pos, self.attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets,
                 self.max_seq, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
                 MAX_CHUNKS=ws.chunks)
@@ -290,6 +291,7 @@ class GpuEngine:
     @torch.inference_mode()
     def prefill(self, slot: int, prompt: Prompt, sampling: Sampling) -> None:
         """Fill slot `slot` from a prompt (batch 1) and choose its row 0 on the device."""
+        t0 = time.perf_counter()
         p = len(prompt)
         if p > self.max_prompt:
             raise ValueError(f"prompt of {p} tokens exceeds max_prompt {self.max_prompt}")
@@ -338,6 +340,7 @@ class GpuEngine:
             self.epochs[slot] += 1
             self.live[slot] = True
             self._record("first", [slot])
+        self.prefill_seconds += time.perf_counter() - t0
 
     def step(self, n: int) -> None:
         """One row for every active slot below n (inactive ones compute a row nobody reads)."""

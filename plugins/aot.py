@@ -9,7 +9,8 @@ Target: plain sm_80, PTX ISA 8.0. Triton names every capability ≥ 9.0 arch-spe
 bundles (Triton 3.9: 9.4 for sm_90, which a CUDA 13.0 / R580 driver cannot JIT-compile). PTX for sm_80 / ISA 8.0
 is JIT-compiled by any driver since CUDA 12.0 for every GPU from Ampere on, so one export serves whatever GPU the
 plan is built on; the build checks the GPU and driver against the PTX (plugins/qdp.py `check_ptx`). The kernels
-use no Hopper-only instruction (no MMA, no TMA), so the code generated for sm_80 is what Hopper needs too.
+use no Hopper-only instruction (no wgmma, no TMA; decode_attention's dots are Ampere mma.sync), so sm_80 code is what
+Hopper runs too.
 
 Triton ≥ 3.3 appends two scratch-buffer pointers to every kernel's parameters. TensorRT passes only the
 plugin's inputs, scalars and outputs, so the two are removed from the PTX entry, after checking that the kernel
@@ -35,16 +36,24 @@ SIGNATURES = {
     "delayed_codebook_step": ({"logits": "*fp32", "row_index": "*i64", "end_frame": "*i64", "table": "*bf16",
                                "codes": "*i32", "embedding": "*bf16", "K": "constexpr", "VOCAB": "constexpr",
                                "HIDDEN": "constexpr", "BLOCK_V": "constexpr", "BLOCK_H": "constexpr"}),
+    "decode_attention": ({"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "write_pos": "*i64", "seq": "i32",
+                          "max_seq": "i32", "out": "*bf16", "Q_HEADS": "constexpr", "KV_HEADS": "constexpr",
+                          "HEAD_DIM": "constexpr", "BLOCK_Q": "constexpr", "BLOCK_S": "constexpr"}),
 }
+OPS = tuple(SIGNATURES)
 
 
-NUM_WARPS = {"rope_kv_write": 4, "delayed_codebook_step": 8}
+NUM_WARPS = {"rope_kv_write": 4, "delayed_codebook_step": 8, "decode_attention": 4}
 
 
 def grid(op: str, constants: dict, batch: int, seq: int = 1) -> tuple[int, int, int]:
-    """Launch grid: rope_kv_write (B·S); delayed_codebook_step (B, ⌈hidden / BLOCK_H⌉)."""
+    """Launch grid: rope_kv_write (B·S); delayed_codebook_step (B, ⌈hidden / BLOCK_H⌉); decode_attention
+    (B, Hkv, ⌈S·G / BLOCK_Q⌉) with G = Hq / Hkv."""
     if op == "rope_kv_write":
         return batch * seq, 1, 1
+    if op == "decode_attention":
+        group = constants["Q_HEADS"] // constants["KV_HEADS"]
+        return batch, constants["KV_HEADS"], -(-seq * group // constants["BLOCK_Q"])
     return batch, -(-constants["HIDDEN"] // constants["BLOCK_H"]), 1
 
 
@@ -74,6 +83,8 @@ def constants_for(op: str, head_dim: int, hidden: int, q_heads: int, kv_heads: i
                   codebooks: int = 8) -> dict:
     if op == "rope_kv_write":
         return {"Q_HEADS": q_heads, "KV_HEADS": kv_heads, "HALF": head_dim // 2}
+    if op == "decode_attention":
+        return {"Q_HEADS": q_heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_Q": 16, "BLOCK_S": 64}
     return {"K": codebooks, "VOCAB": vocab, "HIDDEN": hidden, "BLOCK_V": triton.next_power_of_2(vocab),
             "BLOCK_H": min(triton.next_power_of_2(hidden), 512)}
 

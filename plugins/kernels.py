@@ -13,10 +13,11 @@ delayed_codebook_step: per batch row, per codebook: argmax over the 1026 logits 
   EOC from the end frame on); then the next input embedding Σ_k table[k·1026 + code_k], fp32 sum, one bf16 round.
   delayed_codebook_sample is the GPU path's form: it also finds the utterance's end frame from this row's EOCs (the
   rule of runtime/decoding.py) and embeds the row as it is fed back, masked with that end.
-cache_attention / decode_attention: causal attention of new rows over a static KV cache [B, Hkv, S_max, D] (GQA),
-  reading only each row's valid prefix (keys 0..write_pos[b] + s). decode_attention (one new row) splits the prefix
-  into fixed chunks of CHUNK keys for parallelism and combines them in chunk order: a row's result depends only on
-  its own length, never on the batch.
+decode_attention: causal attention of new rows over a static KV cache [B, Hkv, S_max, D] (GQA), reading only
+  each row's valid prefix (keys 0..write_pos[b] + s), q scaled beforehand (as the graph's Attention op takes it).
+  decode_attention_split is the GPU path's form for one new row: it scales q itself, splits the prefix into fixed
+  chunks of CHUNK keys for parallelism and combines them in chunk order, so a row's result depends only on its own
+  length, never on the batch.
 """
 
 import os
@@ -173,13 +174,13 @@ def _attend(q_tile, k_rows, v_rows, start, stop, q_pos, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
-def cache_attention(q, k_cache, v_cache, write_pos,
-                    seq, max_seq,
-                    out,
-                    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
-    """Plugin form. q [B, Hq, S, D] (RoPE applied), caches [B, Hkv, max_seq, D] already holding the new rows →
-    out [B, Hq, S, D]. Grid (B, Hkv, ⌈S·G / BLOCK_Q⌉), G = Hq / Hkv query heads per KV head."""
+def decode_attention(q, k_cache, v_cache, write_pos,
+                     seq, max_seq,
+                     out,
+                     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_S: tl.constexpr):
+    """Plugin form. q [B, Hq, S, D] (RoPE applied, scaled by 1/√D), caches [B, Hkv, max_seq, D] already holding the
+    new rows → out [B, Hq, S, D]. Grid (B, Hkv, ⌈S·G / BLOCK_Q⌉), G = Hq / Hkv query heads per KV head."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     G: tl.constexpr = Q_HEADS // KV_HEADS
@@ -190,9 +191,7 @@ def cache_attention(q, k_cache, v_cache, write_pos,
     q_pos = tl.where(valid, tl.load(write_pos + b) + s, 0)
     d = tl.arange(0, HEAD_DIM)
     rows = ((b * Q_HEADS + head) * seq + s) * HEAD_DIM
-    scale = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
-    q_tile = (tl.load(q + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-              * scale).to(tl.bfloat16)
+    q_tile = tl.load(q + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     cache = (b * KV_HEADS + g) * max_seq * HEAD_DIM
     stop = tl.minimum(tl.max(q_pos, axis=0) + 1, max_seq)
     acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, 0, stop, q_pos, HEAD_DIM, BLOCK_S)
@@ -200,7 +199,7 @@ def cache_attention(q, k_cache, v_cache, write_pos,
 
 
 @triton.jit
-def decode_attention(q, k_cache, v_cache, write_pos, out, partials, stats, tickets, max_seq,
+def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats, tickets, max_seq,
                      Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr):
     """GPU path, one new row per batch row: q [B, Hq·D] → out [B, Hq·D]. Grid (B, Hkv, MAX_CHUNKS); program c reads

@@ -1,4 +1,4 @@
-"""The two plugins for datacenter TensorRT as ahead-of-time QDP plugins (`tensorrt.plugin`), namespace `higgs`.
+"""The plugins for datacenter TensorRT as ahead-of-time QDP plugins (`tensorrt.plugin`), namespace `higgs`.
 
 The engine directory carries each kernel's PTX (compiled at export, plugins/aot.py); `aot_impl` hands it to
 TensorRT, which embeds it in the plan, so a plan loads and runs with no Python plugin code. Step-varying values
@@ -25,7 +25,7 @@ _REGISTERED = False
 
 
 def register(engine_dir: Path, manifest: dict) -> list:
-    """Define both plugins in `tensorrt.plugin` (once per process) with this engine directory's PTX."""
+    """Define the plugins in `tensorrt.plugin` (once per process) with this engine directory's PTX."""
     global _REGISTERED
     for op, info in manifest["plugins"].items():
         _KERNELS[op] = ((Path(engine_dir) / info["file"]).read_text(), info)
@@ -83,6 +83,25 @@ def _define(trt, trtp) -> None:
         launch.grid_x = logits.shape_expr[0]  # batch rows × slices of the hidden size
         launch.grid_y = -(-info["constants"]["HIDDEN"] // info["constants"]["BLOCK_H"])
         return info["entry"], ptx, launch, trtp.SymIntExprs(0)
+
+
+    @trtp.register("higgs::decode_attention")
+    def decode_attention(q: trtp.TensorDesc, k_cache: trtp.TensorDesc, v_cache: trtp.TensorDesc,
+                         write_pos: trtp.TensorDesc) -> Tuple[trtp.TensorDesc]:
+        return q.like()
+
+    @trtp.aot_impl("higgs::decode_attention")
+    def decode_attention_aot(q: trtp.TensorDesc, k_cache: trtp.TensorDesc, v_cache: trtp.TensorDesc,
+                             write_pos: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int
+                             ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
+        ptx, info = _KERNELS["decode_attention"]
+        c = info["constants"]
+        launch = _launch(trtp, info)
+        launch.grid_x = q.shape_expr[0]  # batch rows × KV heads × blocks of (new position, query head) pairs
+        launch.grid_y = c["KV_HEADS"]
+        launch.grid_z = (q.shape_expr[2] * (c["Q_HEADS"] // c["KV_HEADS"]) + (c["BLOCK_Q"] - 1)) // c["BLOCK_Q"]
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(q.shape_expr[2]), trtp.SymInt32(k_cache.shape_expr[2])])
+        return info["entry"], ptx, launch, extra
 
 
 def _launch(trtp, info: dict):

@@ -1,4 +1,4 @@
-"""Build-side twins of the two plugins for TensorRT-RTX, so CI can build the plugin-path graphs without a GPU.
+"""Build-side twins of the plugins for TensorRT-RTX, so CI can build the plugin-path graphs without a GPU.
 
 NVIDIA's QDP module (plugins/qdp.py, the real plugins with their AOT PTX) cannot drive TensorRT-RTX: it needs
 `trt.ISymExpr`, which RTX lacks. These Python IPluginV3 classes declare the same names, namespace, I/O types,
@@ -26,6 +26,7 @@ SPECS = {  # inputs' types, outputs' types, output → (input its dims come from
                       "dims": [[(0, None)], [(6, None)], [(7, None)]], "aliases": {1: 6, 2: 7}},
     "delayed_codebook_step": {"inputs": [F32, I64, I64, BF16], "outputs": [I32, BF16],
                               "dims": [[(0, 0), (0, 1)], [(0, 0), (3, 1)]], "aliases": {}},
+    "decode_attention": {"inputs": [BF16, BF16, BF16, I64], "outputs": [BF16], "dims": [[(0, None)]], "aliases": {}},
 }
 
 

@@ -1,4 +1,4 @@
-"""ONNX side of the custom ops: op schemas (so onnx.checker and the exporter accept the nodes) and model-local
+"""ONNX side of the custom ops (rope_kv_write, delayed_codebook_step, decode_attention): op schemas (so onnx.checker and the exporter accept the nodes) and model-local
 functions with their exact semantics in standard ops (so ONNX Runtime runs the plugin-path graph unchanged).
 
 A node is `op_type` = TensorRT plugin name, `domain` = `plugin_namespace` = "higgs", `plugin_version` "1", and
@@ -18,6 +18,7 @@ OPS = {  # name → (inputs, outputs)
     "rope_kv_write": (["q", "k", "v", "cos", "sin", "write_pos", "k_cache", "v_cache"],
                       ["q_out", "k_cache_out", "v_cache_out"]),
     "delayed_codebook_step": (["logits", "row_index", "end_frame", "table"], ["codes", "embedding"]),
+    "decode_attention": (["q", "k_cache", "v_cache", "write_pos"], ["out"]),
 }
 
 
@@ -101,7 +102,31 @@ def functions() -> list[onnx.FunctionProto]:
         ],
         [helper.make_opsetid("", OPSET)], attributes=list(PLUGIN_ATTRIBUTES),
     )
-    return [rope, step]
+    attention = helper.make_function(
+        DOMAIN, "decode_attention", OPS["decode_attention"][0], OPS["decode_attention"][1],
+        [
+            helper.make_node("Shape", ["q"], ["seq"], start=2, end=3),
+            helper.make_node("Shape", ["k_cache"], ["cache_len"], start=2, end=3),
+            helper.make_node("Squeeze", ["seq"], ["n"]),
+            helper.make_node("Squeeze", ["cache_len"], ["m"]),
+            _const("zero", 0), _const("one", 1),
+            helper.make_node("Constant", [], ["ax0"], value_ints=[0]),
+            helper.make_node("Constant", [], ["ax1"], value_ints=[1]),
+            helper.make_node("Constant", [], ["ax13"], value_ints=[1, 3]),
+            helper.make_node("Constant", [], ["key_shape"], value_ints=[1, 1, 1, -1]),
+            helper.make_node("Range", ["zero", "n", "one"], ["steps"]),
+            helper.make_node("Range", ["zero", "m", "one"], ["keys"]),
+            helper.make_node("Unsqueeze", ["write_pos", "ax1"], ["start"]),
+            helper.make_node("Unsqueeze", ["steps", "ax0"], ["offsets"]),
+            helper.make_node("Add", ["start", "offsets"], ["positions"]),
+            helper.make_node("Unsqueeze", ["positions", "ax13"], ["query_pos"]),
+            helper.make_node("Reshape", ["keys", "key_shape"], ["key_pos"]),
+            helper.make_node("LessOrEqual", ["key_pos", "query_pos"], ["mask"]),
+            helper.make_node("Attention", ["q", "k_cache", "v_cache", "mask"], ["out"], scale=1.0),
+        ],
+        [helper.make_opsetid("", OPSET)], attributes=list(PLUGIN_ATTRIBUTES),
+    )
+    return [rope, step, attention]
 
 
 def strip_functions(model: onnx.ModelProto) -> onnx.ModelProto:

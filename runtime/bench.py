@@ -59,15 +59,15 @@ class Figures:
                 f"RTF {self.total_s / max(self.audio_s, 1e-9):.3f}")
 
 
-def run_bench(engine, prompts: list[Prompt], sampling: Sampling, repeats: int = 3) -> Figures:
+def run_bench(engine, prompts: list[Prompt], sampling: Sampling, repeats: int = 3, rows: int = 2048) -> Figures:
     timed = TimedEngine(engine)
-    generate(timed, prompts, sampling)  # warm-up: first calls allocate and compile
+    generate(timed, prompts, sampling, hard_cap=rows)  # warm-up: first calls allocate and compile
     runs = []
     for _ in range(repeats):
         for v in timed.times.values():
             v.clear()
         t0 = time.perf_counter()
-        results = generate(timed, prompts, sampling)
+        results = generate(timed, prompts, sampling, hard_cap=rows)
         total = time.perf_counter() - t0
         rows = max(r.rows for r in results)
         engine_s = sum(sum(v) for v in timed.times.values())
@@ -100,7 +100,8 @@ class StreamFigures:
 def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: int, sampling: Sampling,
                  plan=None) -> StreamFigures:
     """Closed-loop clients: `concurrency` requests in flight, each finished one replaced by a new one, until
-    `requests` have finished. Every request is capped at `rows` rows (random weights rarely emit EOC)."""
+    `requests` have finished. Every request decodes exactly `rows` rows (random weights repeat rows and emit EOC at
+    random: the stop rules are off here, so every level does the same work)."""
     from .scheduler import Scheduler, request_for
 
     scheduler = Scheduler(engine, plan)
@@ -110,6 +111,7 @@ def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: 
     def submit():
         submitted[0] += 1
         request = request_for(engine, prompt, sampling, hard_cap=rows, on_done=finished)
+        request.fixed_rows = True
         request.on_chunk = lambda chunk, r=request: arrivals.setdefault(id(r), []).append((time.perf_counter(), len(chunk)))
         scheduler.submit(request)
 

@@ -305,7 +305,7 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
 
     within("--batches", max(sizes), 1, model.max_batch, "the engine's slots")
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
-        click.echo(run_bench(model, [prompt] * max(sizes), sampling, repeats).line())
+        click.echo(run_bench(model, [prompt] * max(sizes), sampling, repeats, rows).line())
 
 
 @bench.command("stream")
@@ -328,8 +328,8 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
                                      placeholder_scales)
     prompt = build_prompt(tokenizer, text)
     say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens, {rows} rows per request")
-    run_stream(model, prompt, 1, 1, rows, settings)  # warm-up
     for c in levels:
+        run_stream(model, prompt, c, c, rows, settings)  # warm-up: the codec meets this level's window shapes first
         click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings).line())
 
 

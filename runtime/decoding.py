@@ -91,6 +91,7 @@ class Utterance:
     """
 
     max_rows: int
+    stop_rules: bool = True  # False: only the row cap ends it (benchmarks fix the length: random weights repeat rows)
     rows: list = field(default_factory=list)
     end_frame: int | None = None
     stop_reason: str | None = None
@@ -112,7 +113,9 @@ class Utterance:
         if j >= NUM_CODEBOOKS - 1:
             t = j - NUM_CODEBOOKS + 1
             self._frames.append([self.rows[t + k][k] for k in range(NUM_CODEBOOKS)])
-        if self.end_frame is not None and len(self.rows) >= self.rows_needed(self.end_frame):
+        if not self.stop_rules:
+            self.stop_reason = "cap" if len(self.rows) >= self.max_rows else None
+        elif self.end_frame is not None and len(self.rows) >= self.rows_needed(self.end_frame):
             self.stop_reason = "eoc"
         elif self._repeats >= REPEAT_GUARD_ROWS:
             self.stop_reason = "repeat"

@@ -37,6 +37,7 @@ class Request:
     prompt: Prompt
     sampling: Sampling
     max_rows: int
+    fixed_rows: bool = False  # benchmarks: exactly max_rows rows, no EOC or repeat stop
     on_chunk: Callable[[np.ndarray], None] | None = None  # audio as it is ready; else kept for audio()
     on_done: Callable[["Request"], None] | None = None
     # kept by the scheduler
@@ -87,7 +88,7 @@ class Scheduler:
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting)")
             request.submitted_at = time.perf_counter()
-            request.utterance = Utterance(request.max_rows)
+            request.utterance = Utterance(request.max_rows, stop_rules=not request.fixed_rows)
             self.queue.append(request)
         self.wakeup.set()
         return request

@@ -123,7 +123,7 @@ def test_end_to_end_from_a_44k_stereo_file(tiny_engine, oracle, tmp_path):
     flat to 0.9 Nyquist, torchaudio's 6-zero filter droops from about 0.5 Nyquist (README, "Reference audio")."""
     from higgs_trt.runtime.ort_backend import OrtEncoder
 
-    encoder = OrtEncoder(EngineDir(tiny_engine), "cpu")
+    encoder = OrtEncoder(EngineDir(tiny_engine))
     same = total = 0
     for seed in range(4):
         path = tmp_path / f"voice{seed}.wav"
@@ -161,7 +161,7 @@ def test_onnx_runtime_equals_torch(tiny_engine, ours):
         ("audio_24k", [1, 1, "samples_24k"], "float32"), ("audio_16k", [1, 1, "samples_16k"], "float32"),
         ("codes", [1, 8, "frames"], "int32")]
     assert io["geometry"] == ours.dims.geometry()
-    encoder = OrtEncoder(EngineDir(tiny_engine), "cpu")
+    encoder = OrtEncoder(EngineDir(tiny_engine))
     for n in (24000, 48000 + 517, 240000):
         signal = clip("noise", n)[0, 0].numpy()
         ref = audio.ReferenceAudio(signal, torchaudio_like(clip("noise", n), 24000, 16000)[0, 0].numpy(), "", n / 24000, 24000)
@@ -284,7 +284,7 @@ def test_references_are_cached_by_audio_content(tiny_engine, tmp_path):
     from higgs_trt.runtime.ort_backend import OrtEncoder
 
     audio._cache.clear()
-    encoder = Counting(OrtEncoder(EngineDir(tiny_engine), "cpu"))
+    encoder = Counting(OrtEncoder(EngineDir(tiny_engine)))
     samples = (voice(1.2) * 32767).astype(np.int16)  # integers: both writers store them exactly
     first = audio.encode_reference(audio.load_reference_audio(write(tmp_path / "a.wav", samples, subtype="PCM_16")), encoder)
     again = audio.encode_reference(audio.load_reference_audio(write(tmp_path / "b.flac", samples, subtype="PCM_16")), encoder)

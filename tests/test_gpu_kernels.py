@@ -170,7 +170,7 @@ def reference(q, kc, vc, lengths):
 """
 
 
-def test_decode_attention_reads_only_each_prefix_and_combines_chunks_in_order():
+def test_split_decode_attention_reads_only_each_prefix_and_combines_chunks_in_order():
     run(ATTENTION + """
 lengths = [1, 17, 40, 96, 65]
 B = len(lengths)
@@ -186,7 +186,7 @@ def attend(q, kc, vc, lengths):
     out = torch.full((b, Hq * D), float("nan")).bfloat16()
     parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
     tickets = torch.zeros(b * Hkv, dtype=torch.int32)
-    kernels.decode_attention[(b, Hkv, chunks)](q, kc, vc, torch.tensor(lengths) - 1, out, parts, stats, tickets, SM,
+    kernels.decode_attention_split[(b, Hkv, chunks)](q, kc, vc, torch.tensor(lengths) - 1, out, parts, stats, tickets, SM,
                                                Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16,
                                                MAX_CHUNKS=chunks)
     assert not tickets.any()
@@ -200,15 +200,16 @@ for b in range(B):
 """)
 
 
-def test_cache_attention_is_causal_over_cache_and_new_rows():
+def test_decode_attention_plugin_is_causal_over_cache_and_new_rows():
     run(ATTENTION + """
 B, S = 2, 5
 wp = torch.tensor([0, 30])
 q = torch.randn(B, Hq, S, D).bfloat16()
 kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
 out = torch.full((B, Hq, S, D), float("nan")).bfloat16()
-kernels.cache_attention[(B, Hkv, -(-S * (Hq // Hkv) // 16))](q, kc, vc, wp, S, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv,
-                                                             HEAD_DIM=D, BLOCK_Q=16, BLOCK_S=16)
+scaled = (q.float() * D ** -0.5).bfloat16()  # the plugin takes q scaled, as the graph's Attention op does
+kernels.decode_attention[(B, Hkv, -(-S * (Hq // Hkv) // 16))](scaled, kc, vc, wp, S, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv,
+                                                              HEAD_DIM=D, BLOCK_Q=16, BLOCK_S=16)
 for s in range(S):
     ref = reference(q[:, :, s], kc, vc, (wp + s + 1).tolist())
     assert ((out[:, :, s].float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all()

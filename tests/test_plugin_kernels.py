@@ -181,3 +181,30 @@ def test_runtime_cuda_helpers_capture_and_replay_a_step(rope):
         want = logits_host.array.argmax(-1)
         want[:, np.arange(K) > row] = 1024
         assert np.array_equal(codes_host.array, want), row
+
+
+@pytest.mark.parametrize("b, s", [(1, 1), (64, 1), (2, 9)])
+def test_decode_attention_plugin_aot_ptx_equals_jit_and_the_reference(b, s):
+    """decode_attention's PTX launched with TensorRT's argument order (q, caches, write_pos; S, S_max; out)."""
+    from higgs_trt.plugins import kernels
+    from higgs_trt.plugins.aot import NUM_WARPS, compile_kernel, constants_for, grid
+    from higgs_trt.plugins.launch import PtxKernel
+    from higgs_trt.plugins.ops import decode_attention
+
+    torch.cuda.init()
+    g = torch.Generator(device="cuda").manual_seed(b * 10 + s)
+    q = (torch.randn(b, HQ, s, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
+    kc, vc = (torch.randn(b, HKV, S_MAX, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    pos = torch.randint(0, S_MAX - s, (b,), device="cuda", generator=g)
+    constants = constants_for("decode_attention", D, HIDDEN, HQ, HKV)
+    launch = grid("decode_attention", constants, b, s)
+    jit = torch.full_like(q, float("nan"))
+    kernels.decode_attention[launch](q, kc, vc, pos, s, S_MAX, jit, **constants, num_warps=NUM_WARPS["decode_attention"])
+    aot = compile_kernel("decode_attention", constants)
+    ptx = torch.full_like(q, float("nan"))
+    PtxKernel(aot.ptx, aot.entry, aot.threads, aot.shared)(
+        launch, [t.data_ptr() for t in (q, kc, vc, pos)], [s, S_MAX], [ptx.data_ptr()])
+    torch.cuda.synchronize()
+    assert torch.equal(jit, ptx)
+    ref = decode_attention(q.float(), kc.float(), vc.float(), pos)
+    assert ((jit.float() - ref).abs() <= 0.02 * ref.abs() + 2e-3).all()

@@ -28,14 +28,14 @@ pytest.importorskip("triton")
 def test_plugin_nodes_and_functions(tiny_plugin_engine):
     model = onnx.load(tiny_plugin_engine / "lm.onnx", load_external_data=False)
     nodes = [n for n in model.graph.node if n.domain == "higgs"]
-    assert Counter(n.op_type for n in nodes) == {"rope_kv_write": 2, "delayed_codebook_step": 1}
+    assert Counter(n.op_type for n in nodes) == {"rope_kv_write": 2, "decode_attention": 2, "delayed_codebook_step": 1}
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs == {"plugin_namespace": b"higgs", "plugin_version": b"1", "aot": 1}
     ops = Counter(n.op_type for n in model.graph.node)
     assert not ops["RotaryEmbedding"] and not ops["TensorScatter"] and not ops["ArgMax"]
-    assert ops["Attention"] == 2  # attention stays a native layer, over the plugin-updated caches
-    assert {f.name for f in model.functions} == {"rope_kv_write", "delayed_codebook_step"}
+    assert not ops["Attention"]  # decode_attention reads each row's prefix, not all S_max cache rows
+    assert {f.name for f in model.functions} == {"rope_kv_write", "delayed_codebook_step", "decode_attention"}
     stripped = strip_functions(model)
     assert not stripped.functions
     with pytest.raises(Exception, match="higgs"):  # without its functions only TensorRT (with the plugins) can run it
@@ -67,14 +67,14 @@ def test_ort_plugin_path_matches_native_path_and_torch(tiny_plugin_engine, tiny_
 
 def test_manifest_records_the_plugins_and_their_ptx(tiny_plugin_engine):
     m = EngineDir(tiny_plugin_engine).manifest
-    assert m["ops"] == "plugin" and set(m["plugins"]) == {"rope_kv_write", "delayed_codebook_step"}
+    assert m["ops"] == "plugin" and set(m["plugins"]) == {"rope_kv_write", "delayed_codebook_step", "decode_attention"}
     for op, info in m["plugins"].items():
         ptx = (tiny_plugin_engine / info["file"]).read_text()
         assert info["ptx_sha256"] == hashlib.sha256(ptx.encode()).hexdigest()
         assert (info["target"], info["ptx_version"]) == ("sm_80", "8.0")  # plugins/aot.py TARGET, PTX_VERSION
         entry = ptx[ptx.index(f".entry {info['entry']}("):]
         params = entry[: entry.index(")")].count(".param")
-        assert params == {"rope_kv_write": 13, "delayed_codebook_step": 6}[op]  # TensorRT's argument list, no more
+        assert params == {"rope_kv_write": 13, "delayed_codebook_step": 6, "decode_attention": 7}[op]  # TRT's args
     assert m["plugins"]["rope_kv_write"]["constants"] == {"Q_HEADS": 4, "KV_HEADS": 2, "HALF": 8}
 
 

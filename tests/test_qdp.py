@@ -77,9 +77,12 @@ K, V, HIDDEN = 8, 1026, 64
 
 def io_of(op: str):
     """(input dims, output dims): symbols and constants, as the tiny engine's lm graph gives them."""
+    q, cache = [B, HQ, S, D], [B, HKV, SMAX, D]
     if op == "rope_kv_write":
-        q, kv, rope, cache = [B, HQ, S, D], [B, HKV, S, D], [POS, D // 2], [B, HKV, SMAX, D]
+        kv, rope = [B, HKV, S, D], [POS, D // 2]
         return [q, kv, kv, rope, rope, [B], cache, cache], [q, cache, cache]
+    if op == "decode_attention":
+        return [q, cache, cache, [B]], [q]
     return [[B, K, V], [B], [B], [K * V, HIDDEN]], [[B, K], [B, HIDDEN]]
 
 
@@ -92,7 +95,7 @@ def concrete(dims, values):
     return tuple(values[d] if isinstance(d, str) else d for d in dims)
 
 
-@pytest.mark.parametrize("op", ["rope_kv_write", "delayed_codebook_step"])
+@pytest.mark.parametrize("op", ["rope_kv_write", "delayed_codebook_step", "decode_attention"])
 def test_qdp_plugins_as_tensorrt_builds_them(tensorrt_plugin, tiny_plugin_engine, op):
     trt, trtp = tensorrt_plugin
     manifest = EngineDir(tiny_plugin_engine).manifest
@@ -142,6 +145,9 @@ def test_qdp_plugins_as_tensorrt_builds_them(tensorrt_plugin, tiny_plugin_engine
         assert (value(launch.grid_x), value(launch.grid_y), value(launch.grid_z)) == (3 * 7, 1, 1)
         assert extra.nbSymExprs == 2 and [value(extra.exprs[i]) for i in range(2)] == [7, SMAX]
         assert all(extra.exprs[i].dtype == trt.PluginArgDataType.INT32 for i in range(2))
+    elif op == "decode_attention":  # (batch row, KV head, block of 16 (position, query head) pairs); same scalars
+        assert (value(launch.grid_x), value(launch.grid_y), value(launch.grid_z)) == (3, HKV, -(-7 * (HQ // HKV) // 16))
+        assert extra.nbSymExprs == 2 and [value(extra.exprs[i]) for i in range(2)] == [7, SMAX]
     else:
         constants = info["constants"]
         assert (value(launch.grid_x), value(launch.grid_y)) == (3, -(-constants["HIDDEN"] // constants["BLOCK_H"]))
