@@ -12,33 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from higgs_trt.plugins.bench import copy_bandwidth
+from higgs_trt.plugins.bench import copy_bandwidth, graph_ms
 
 from .config import HiggsConfig
 from .gpu_engine import BUCKETS, TUNED, GpuEngine, Linear, TileConfig, Workspace
 from .model import HiggsLM
 
 REPS = 30
-
-
-def graph_ms(fn, reps: int = REPS) -> float:
-    """Median time of one replay of a CUDA graph holding `fn` (warmed up first, on a side stream)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return float(np.median(times))
 
 
 def random_tensors(cfg: HiggsConfig, device: str = "cuda", seed: int = 0) -> dict:

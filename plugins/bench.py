@@ -36,7 +36,7 @@ def _events_ms(fn, reps: int = REPS) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _graph_ms(fn) -> float:
+def graph_ms(fn) -> float:
     """Median time of replaying a CUDA graph of `fn` (capture after a warm-up on a side stream)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -80,7 +80,7 @@ def bench_rope(b: int) -> dict:
             caches[2 * i + 1][rows, :, pos] = v[:, :, 0]
 
     moved = LAYERS * (2 * q.nbytes + 4 * k.nbytes + 2 * b * D * 2 + b * 8)  # q in/out, k,v in + cache rows out, cos/sin
-    return {"op": "rope_kv_write", "b": b, "kernel_ms": _graph_ms(kernel), "eager_ms": _events_ms(eager),
+    return {"op": "rope_kv_write", "b": b, "kernel_ms": graph_ms(kernel), "eager_ms": _events_ms(eager),
             "bytes": moved}
 
 
@@ -105,7 +105,7 @@ def bench_codebook(b: int) -> dict:
             delayed_codebook_step(logits, row, end, table)
 
     moved = LAYERS * (logits.nbytes + b * K * HIDDEN * 2 + codes.nbytes + embedding.nbytes + 2 * b * 8)
-    return {"op": "delayed_codebook_step", "b": b, "kernel_ms": _graph_ms(kernel), "eager_ms": _events_ms(eager),
+    return {"op": "delayed_codebook_step", "b": b, "kernel_ms": graph_ms(kernel), "eager_ms": _events_ms(eager),
             "bytes": moved}
 
 
