@@ -45,7 +45,6 @@ from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 ATTENTION_CHUNK = 256  # keys per decode-attention program; a row's split depends only on its own length
 ATTENTION_BLOCK = 64
-FP8_UPCAST = False  # multiply FP8 operands as bf16 (same products); `bench linear` compares both
 SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for the compiler's own
 
 
@@ -120,7 +119,6 @@ class Linear:
             out, out, workspace.partials, workspace.tickets, m, self.x_scale,
             N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split, TILES=rows // 16,
             FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
-            UPCAST=self.fp8 and FP8_UPCAST,
             num_warps=t.warps, num_stages=stages)
 
 

@@ -23,27 +23,22 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, x_scale, UPCAST: tl.constexpr):
+def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, x_scale):
     """Rows `rows` [16] of x [M, K] at columns k: bf16, or quantized to FP8 as QuantizeLinear does (x / scale,
     saturated, round to nearest even); zero rows past M and columns past K."""
     tile = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
     if FP8:
         tile = to_fp8(tl.clamp(tile.to(tl.float32) / x_scale, -FP8_MAX, FP8_MAX))
-        if UPCAST:
-            tile = tile.to(tl.bfloat16)
     return tile
 
 
 @triton.jit
-def _w_tile(w, w_rows, k, K: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _w_tile(w, w_rows, k, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """The Wᵀ tile [BLOCK_K, BLOCK_N] of rows w_rows (unmasked when K is a multiple of BLOCK_K)."""
     if K % BLOCK_K == 0:
-        tile = tl.load(w + w_rows[None, :] * K + k[:, None])
+        return tl.load(w + w_rows[None, :] * K + k[:, None])
     else:
-        tile = tl.load(w + w_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)
-    if UPCAST:
-        tile = tile.to(tl.bfloat16)
-    return tile
+        return tl.load(w + w_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)
 
 
 @triton.jit
@@ -76,10 +71,9 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            M, x_scale,
            N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
            TILES: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-           OUT_F32: tl.constexpr, UPCAST: tl.constexpr = False):
+           OUT_F32: tl.constexpr):
     """Grid (N / BLOCK_N, SPLIT_K). Rows are taken TILES·16 at a time (TILES ≤ 4); every row goes through the same
-    16-row dot, so results do not depend on M. SPLIT_K > 1 needs M ≤ TILES·16 (decode). UPCAST multiplies FP8
-    operands as bf16 (exact: every e4m3 value is a bf16 value, and products are summed in fp32 either way)."""
+    16-row dot, so results do not depend on M. SPLIT_K > 1 needs M ≤ TILES·16 (decode)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,25 +91,25 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
         u3 = tl.zeros([16, BLOCK_N], tl.float32)
         for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, K), BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            wt = _w_tile(w, w_rows, k, K, BLOCK_K, UPCAST)
+            wt = _w_tile(w, w_rows, k, K, BLOCK_K)
             if GATED:
-                ut = _w_tile(w_up, w_rows, k, K, BLOCK_K, UPCAST)
-            x0 = _x_tile(x, m0 + r16, k, M, K, FP8, x_scale, UPCAST)
+                ut = _w_tile(w_up, w_rows, k, K, BLOCK_K)
+            x0 = _x_tile(x, m0 + r16, k, M, K, FP8, x_scale)
             a0 = mma(x0, wt, a0)
             if GATED:
                 u0 = mma(x0, ut, u0)
             if TILES > 1:
-                x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, x_scale, UPCAST)
+                x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, x_scale)
                 a1 = mma(x1, wt, a1)
                 if GATED:
                     u1 = mma(x1, ut, u1)
             if TILES > 2:
-                x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, x_scale, UPCAST)
+                x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, x_scale)
                 a2 = mma(x2, wt, a2)
                 if GATED:
                     u2 = mma(x2, ut, u2)
             if TILES > 3:
-                x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, x_scale, UPCAST)
+                x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, x_scale)
                 a3 = mma(x3, wt, a3)
                 if GATED:
                     u3 = mma(x3, ut, u3)
