@@ -30,6 +30,7 @@ import logging
 import queue
 import re
 import signal
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -135,8 +136,11 @@ class EngineThread(threading.Thread):
     def run(self) -> None:
         try:
             self._start()
-        except Exception as e:  # HiggsError, or anything a backend raises while loading
-            self._fail(str(e) if isinstance(e, HiggsError) else f"{type(e).__name__}: {e}", e)
+        except HiggsError as e:
+            self._fail(str(e))
+            return
+        except Exception as e:  # anything else a backend raises while loading
+            self._fail(f"{type(e).__name__}: {e}", e)
             return
         log.info("engine ready: %s backend, %d slots", self.engine.name, self.engine.max_batch)
         self.ready.set()
@@ -173,8 +177,10 @@ class EngineThread(threading.Thread):
         if warm.error:
             raise HiggsError(f"the warm-up request failed: {warm.error}")
 
-    def _fail(self, message: str, error: Exception) -> None:
-        log.error("%s", message, exc_info=error)
+    def _fail(self, message: str, error: Exception | None = None) -> None:
+        """Not serving: pending jobs fail, and the server is told to exit (the CLI then prints `message`)."""
+        if error is not None:  # a bug or a broken engine: the traceback is for whoever debugs it
+            log.error("%s", message, exc_info=error)
         self.failure = message
         while not self.jobs.empty():
             self.jobs.get()[0].set_exception(HiggsError(message))
@@ -469,20 +475,28 @@ def serve(service: SpeechService, host: str, port: int) -> None:
             service.draining = True  # new requests get 503 until the listening socket is closed
             super().handle_exit(sig, frame)
 
+    # Bound here, before anything loads, so a taken port is one clear error (uvicorn would log it and exit).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise HiggsError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     # In-flight requests end by their own --timeout; the grace period only adds time for the last bytes to go out.
-    config = uvicorn.Config(create_app(service), host=host, port=port, timeout_graceful_shutdown=service.timeout + 5,
-                            log_level="info")
+    config = uvicorn.Config(create_app(service), timeout_graceful_shutdown=service.timeout + 5, log_level="info")
+    log.info("listening on http://%s:%d (/health turns 200 once the engine is loaded and warmed)", host,
+             sock.getsockname()[1])
     server = Server(config)
     service.engine.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn raises the signal again after its graceful shutdown, under the handler it found: make that one a no-op,
     # so a drained SIGTERM ends with exit code 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        sock.close()
     if service.engine.failure:
         raise HiggsError(service.engine.failure)
-    if not server.started:
-        raise HiggsError(f"could not serve on {host}:{port} (uvicorn's message above says why)")

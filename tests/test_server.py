@@ -439,6 +439,35 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(engine_dir, solo, tmp_pa
     s.stop()
 
 
+def test_health_is_503_until_warm_and_while_shutting_down(engine_dir):
+    """In process (Starlette's TestClient), the real engine behind a gate that holds its loading back."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from higgs_trt.runtime.engines import load_tokenizer, open_encoder, open_engine, open_sources
+    from higgs_trt.runtime.server import EngineThread, SpeechService, create_app, load_voices
+
+    sources = open_sources("ort", engine_dir, None, None, None)
+    tokenizer, gate = load_tokenizer(sources), threading.Event()
+    voices = load_voices(None, tokenizer)
+    thread = EngineThread(lambda: gate.wait() and open_engine(sources, max_batch=2), lambda: open_encoder(sources),
+                          tokenizer, voices, 8)
+    service = SpeechService(thread, tokenizer, voices, None, 60.0)
+    with TestClient(create_app(service)) as client:
+        assert client.get("/health").json() == {"status": "loading"}
+        r = client.post(SPEECH, json=body(input=TEXT))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        gate.set()
+        assert thread.ready.wait(120)
+        assert client.get("/health").status_code == 200
+        assert client.post(SPEECH, json=body(input=TEXT, max_new_tokens=20, response_format="pcm")).status_code == 200
+        service.draining = True  # what SIGTERM sets
+        assert client.get("/health").json() == {"status": "shutting down"}
+        r = client.post(SPEECH, json=body(input=TEXT))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
 # ---- the command line ----------------------------------------------------------------------------------------------
 
 def test_bench_serve_prints_figures_per_level(server):
