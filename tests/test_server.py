@@ -38,7 +38,8 @@ from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.wav import pcm16
 
 TEXT = "Hello there, how are you today?"
-LONG = "This one goes on and on for quite a while, so that a client can leave long before it ends."
+LONG = ("This one goes on and on for quite a while, so that a client can leave long before it ends, and a timeout can "
+        "cut it well before the last of its many rows.")  # 900 rows with max_new_tokens 900: ≥ 0.4 s of decoding
 WAV_HEADER = wav_header(None)
 SPEECH = "/v1/audio/speech"
 
@@ -51,7 +52,7 @@ def engine_dir(tiny_ckpt, tmp_path_factory):
     from higgs_trt.builder.export import export_engine
 
     return export_engine(tiny_ckpt, tmp_path_factory.mktemp("serve") / "engine", max_seq=1024, max_batch=4,
-                         max_prompt=96, say=lambda msg: None)
+                         max_prompt=160, say=lambda msg: None)
 
 
 @pytest.fixture(scope="module")
@@ -405,8 +406,8 @@ def test_a_full_queue_answers_429_with_retry_after(engine_dir, tmp_path):
 
 
 def test_a_request_past_its_timeout_is_cut_and_its_slot_freed(engine_dir, tmp_path):
-    # 900 decode steps take ≥ 0.8 s on this engine (≥ 0.9 ms a step in ONNX Runtime alone): past a 0.5 s timeout
-    s = Server(engine_dir, tmp_path / "timeout.log", "--timeout", 0.5)
+    # 900 decode steps take ≥ 0.4 s on this engine (≥ 0.46 ms a step in ONNX Runtime alone): past a 0.1 s timeout
+    s = Server(engine_dir, tmp_path / "timeout.log", "--timeout", 0.1)
     try:
         long = body(input=LONG, response_format="pcm", max_new_tokens=900)
         with httpx.stream("POST", s.url + SPEECH, json=long, timeout=60) as r:
