@@ -320,15 +320,16 @@ class SpeechService:
             self.metrics.errors.labels(e.code).inc()
             return JSONResponse(e.body(), e.status, headers=e.headers)
         deadline = arrived + self.timeout
+        stop = partial(self._stop, job, stream)
         if speech.sse:
-            return StreamingResponse(self._sse(job, stream, speech, deadline, input_tokens), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        raw = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Channels": "1", "X-Bit-Depth": "16"}
+            return AudioResponse(self._sse(stream, job, speech, deadline, input_tokens), stop,
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if speech.response_format in ENCODED:
-            return StreamingResponse(self._whole(job, stream, speech, deadline),
-                                     media_type=ENCODED[speech.response_format][2])
+            return AudioResponse(self._whole(stream, job, speech, deadline), stop,
+                                 media_type=ENCODED[speech.response_format][2])
+        raw = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Channels": "1", "X-Bit-Depth": "16"}
         media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
-        return StreamingResponse(self._audio(job, stream, speech, deadline), media_type=media, headers=raw)
+        return AudioResponse(self._audio(stream, job, speech, deadline), stop, media_type=media, headers=raw)
 
     async def _admit(self, request: Request):
         """Parse, check, build the prompt, submit: every refusal is an ApiError."""
@@ -383,55 +384,62 @@ class SpeechService:
             self.tokenizer.encode(speech.text, "input")  # its errors name the field; build_prompt's say "text"
             return build_prompt(self.tokenizer, speech.text, codes, text)
 
-    # ---- response bodies: each cancels its request if it stops before the request is finished ----
+    # ---- response bodies (AudioResponse cancels the request when one stops early) ----
 
     def _stop(self, job, stream: AudioQueue) -> None:
         if not job.finished:
             stream.stopped = stream.stopped or "cancelled"
             self.engine.scheduler.cancel(job)
 
-    async def _audio(self, job, stream: AudioQueue, speech: Speech, deadline: float):
-        try:
-            if speech.response_format == "wav":
-                yield wav_header(None)
-            async for samples in stream.chunks(job, deadline):
-                yield pcm16(samples)[0]
-        finally:
-            self._stop(job, stream)
+    async def _audio(self, stream: AudioQueue, job, speech: Speech, deadline: float):
+        if speech.response_format == "wav":
+            yield wav_header(None)
+        async for samples in stream.chunks(job, deadline):
+            yield pcm16(samples)[0]
 
-    async def _whole(self, job, stream: AudioQueue, speech: Speech, deadline: float):
-        try:
-            chunks = [samples async for samples in stream.chunks(job, deadline)]
-            audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-            yield await run_in_threadpool(encode_file, audio, speech.response_format)
-        finally:
-            self._stop(job, stream)
+    async def _whole(self, stream: AudioQueue, job, speech: Speech, deadline: float):
+        chunks = [samples async for samples in stream.chunks(job, deadline)]
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        yield await run_in_threadpool(encode_file, audio, speech.response_format)
 
-    async def _sse(self, job, stream: AudioQueue, speech: Speech, deadline: float, input_tokens: int):
+    async def _sse(self, stream: AudioQueue, job, speech: Speech, deadline: float, input_tokens: int):
         def event(data: dict) -> bytes:
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
         def delta(data: bytes) -> bytes:
             return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
+        header = wav_header(None) if speech.response_format == "wav" else b""
         try:
-            header = wav_header(None) if speech.response_format == "wav" else b""
-            try:
-                async for samples in stream.chunks(job, deadline):
-                    yield delta(header + pcm16(samples)[0])
-                    header = b""
-            except Cut as e:
-                yield event({"type": "speech.audio.error",
-                             "error": {"message": str(e), "type": "server_error", "param": None, "code": e.code}})
-                return
-            if header:  # no audio at all: a wav is still a wav
-                yield delta(header)
-            rows = len(job.utterance.rows)
-            yield event({"type": "speech.audio.done",
-                         "usage": {"input_tokens": input_tokens, "output_tokens": rows,
-                                   "total_tokens": input_tokens + rows}})
+            async for samples in stream.chunks(job, deadline):
+                yield delta(header + pcm16(samples)[0])
+                header = b""
+        except Cut as e:
+            yield event({"type": "speech.audio.error",
+                         "error": {"message": str(e), "type": "server_error", "param": None, "code": e.code}})
+            return
+        if header:  # no audio at all: a wav is still a wav
+            yield delta(header)
+        rows = len(job.utterance.rows)
+        yield event({"type": "speech.audio.done",
+                     "usage": {"input_tokens": input_tokens, "output_tokens": rows, "total_tokens": input_tokens + rows}})
+
+
+class AudioResponse(StreamingResponse):
+    """A streamed body that calls `stop` however it ends: complete, client gone (Starlette cancels the body the
+    moment the disconnect arrives), timed out, failed, server shutting down — even before its first byte."""
+
+    def __init__(self, body, stop, **kwargs):
+        super().__init__(body, **kwargs)
+        self.stop = stop
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except Cut as e:  # returning without the final chunk: uvicorn closes the connection, the body stays incomplete
+            log.warning("response cut: %s", e)
         finally:
-            self._stop(job, stream)
+            self.stop()
 
 
 def encode_file(audio: np.ndarray, fmt: str) -> bytes:
