@@ -16,6 +16,7 @@ distinct reference once. Across processes, save codes with `higgs-trt encode-aud
 """
 
 import hashlib
+import io
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,24 +49,38 @@ class ReferenceAudio:
 
 def load_reference_audio(path: Path) -> ReferenceAudio:
     """Read, check, down-mix and resample a reference recording; every problem is one HiggsError."""
-    with extras.needed("audio", "reference audio"):
-        import soundfile
-        import soxr
     path = Path(path)
     if not path.is_file():
         raise HiggsError(f"{path}: reference audio not found")
+    return _reference(str(path), path)
+
+
+def reference_audio_from_bytes(data: bytes, what: str = "reference audio") -> ReferenceAudio:
+    """The same, from an encoded file's bytes (a server's base64 upload); `what` names it in errors."""
+    if not data:
+        raise HiggsError(f"{what}: is empty (no audio bytes)")
+    return _reference(io.BytesIO(data), what)
+
+
+def _reference(source, name) -> ReferenceAudio:
+    """`source`: a path or a file-like object soundfile reads; `name` starts every error message."""
+    with extras.needed("audio", "reference audio"):
+        import soundfile
+        import soxr
     try:
-        info = soundfile.info(str(path))
-        _check_shape(path, info.channels, info.frames, info.samplerate)
-        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        info = soundfile.info(source)
+        _check_shape(name, info.channels, info.frames, info.samplerate)
+        if not isinstance(source, str):
+            source.seek(0)
+        samples, rate = soundfile.read(source, dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # unknown, corrupt, truncated
-        raise HiggsError(f"{path}: cannot read audio ({str(e).strip() or type(e).__name__})") from None
-    _check_shape(path, samples.shape[1], samples.shape[0], rate)
+        raise HiggsError(f"{name}: cannot read audio ({str(e).strip() or type(e).__name__})") from None
+    _check_shape(name, samples.shape[1], samples.shape[0], rate)
     if not np.isfinite(samples).all():
-        raise HiggsError(f"{path}: contains NaN or infinite samples")
+        raise HiggsError(f"{name}: contains NaN or infinite samples")
     mono = samples.mean(axis=1, dtype=np.float32)
     if np.abs(mono).max() < SILENCE:
-        raise HiggsError(f"{path}: is silent (peak below −60 dBFS)")
+        raise HiggsError(f"{name}: is silent (peak below −60 dBFS)")
     audio_24k = soxr.resample(mono, rate, SAMPLE_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
     audio_16k = soxr.resample(mono, rate, SEMANTIC_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
     audio_16k = _fit(audio_16k, math.ceil(len(audio_24k) * SEMANTIC_RATE / SAMPLE_RATE))
@@ -73,7 +88,7 @@ def load_reference_audio(path: Path) -> ReferenceAudio:
     return ReferenceAudio(audio_24k, audio_16k, digest, len(mono) / rate, rate)
 
 
-def _check_shape(path: Path, channels: int, frames: int, rate: int) -> None:
+def _check_shape(path, channels: int, frames: int, rate: int) -> None:
     if channels > MAX_CHANNELS:
         raise HiggsError(f"{path}: has {channels} channels; reference audio must be mono or stereo")
     if frames <= 0 or rate <= 0:

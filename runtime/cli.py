@@ -175,6 +175,55 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
     say(f"wrote {'stdout' if to_stdout else out}" + (f" ({clipped} samples clipped to ±1)" if clipped else ""))
 
 
+@main.command()
+@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory made by `higgs-trt export`.")
+@click.option("--checkpoint", type=click.Path(path_type=Path),
+              help="Checkpoint directory (torch backend); with --engine, checked to be the engine's source.")
+@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="As for `run`. Default: ort with --engine, "
+              "else torch.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True,
+              help="As for `run`.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch", type=int, default=64, show_default=True,
+              help="Engine slots: requests decoded together (at most what the engine was built for).")
+@click.option("--voices", "voices_dir", type=click.Path(path_type=Path),
+              help="Named voices: NAME.wav|.flac|.ogg|.mp3 (a 1–30 s recording) or NAME.npy (codes [T,8]), each with an "
+                   "optional NAME.txt transcript; `voice: NAME` picks one ('default' is zero-shot).")
+@click.option("--ref-dir", type=click.Path(path_type=Path),
+              help="Requests may name reference audio below this directory (ref_audio: file://PATH); else only uploads.")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests waiting for a slot; past this, new ones get 429 with Retry-After.")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="Seconds a request may take, waiting included; then it is cancelled and its slot freed.")
+@click.pass_context
+def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voices_dir, ref_dir, max_queue, timeout):
+    """Serve OpenAI's POST /v1/audio/speech (plus /v1/models, /health, /metrics) on the in-flight scheduler."""
+    import math
+
+    from . import extras
+    from .engines import choose_backend, load_tokenizer, open_encoder, open_engine, open_sources
+    from .options import within
+
+    with extras.needed("serve", "higgs-trt serve"):
+        from .server import EngineThread, SpeechService, load_voices
+        from .server import serve as run_server
+    within("--port", port, 0, 65535)
+    within("--max-batch", max_batch, 1, 4096)
+    within("--max-queue", max_queue, 1, 1_000_000)
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise HiggsError(f"--timeout must be a positive number of seconds, got {timeout}")
+    if ref_dir is not None and not ref_dir.is_dir():
+        raise HiggsError(f"--ref-dir {ref_dir}: not a directory")
+    name = choose_backend(backend, engine, checkpoint, device, given(ctx))
+    sources = open_sources(name, engine, checkpoint, None, None)
+    tokenizer = load_tokenizer(sources)
+    voices = load_voices(voices_dir, tokenizer)  # every voice file checked before the server starts
+    thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, say=say),
+                          lambda: open_encoder(sources, device), tokenizer, voices, max_queue)
+    run_server(SpeechService(thread, tokenizer, voices, ref_dir, timeout), host, port)
+
+
 def stream_plan(first_chunk: int, chunk: int, context: int | None, holdback: int | None, first_holdback: int | None,
                 strides=(8, 5, 4, 2, 3), warn: bool = False):
     """Codec windows: exact by default (context and holdback from the decoder's receptive field)."""
@@ -220,8 +269,8 @@ def encode_audio(ctx, audio, out, engine, checkpoint, backend, device):
 
 @main.group()
 def bench():
-    """Benchmarks that print figures: decode loop, streaming, reference encoding, export memory, BF16 vs FP8
-    builds, kernels."""
+    """Benchmarks that print figures: decode loop, streaming, a running server, reference encoding, export memory,
+    BF16 vs FP8 builds, kernels."""
 
 
 def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, precision, placeholder_scales):
@@ -331,6 +380,31 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     for c in levels:
         run_stream(model, prompt, c, c, rows, settings)  # warm-up: the codec meets this level's window shapes first
         click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings).line())
+
+
+@bench.command("serve")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="A running `higgs-trt serve`.")
+@click.option("--concurrency", default="1,8,64", show_default=True, help="Closed-loop clients, one figure each.")
+@click.option("--requests", type=int, default=0, help="Requests per concurrency level [default: 2 × concurrency].")
+@click.option("--max-new-tokens", type=int, default=250, show_default=True,
+              help="Decode steps per request at most (random weights rarely end an utterance: this fixes the length).")
+@click.option("--text", default="The quick brown fox jumps over the lazy dog, twice, and then once more.",
+              show_default=True)
+@click.option("--voice", default="default", show_default=True)
+@click.option("--wait", type=float, default=600.0, show_default=True,
+              help="Seconds to wait for the server's /health to turn 200 before measuring.")
+def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
+    """A running server measured at the client: streamed pcm over HTTP, audio-s/s and time to first audio p50/p95
+    per concurrency level (from sending the request to the first audio byte), underruns."""
+    from . import extras
+    from .options import within
+
+    levels = _sizes("--concurrency", concurrency, 4096)
+    within("--requests", requests, 0, 100_000)
+    within("--max-new-tokens", max_new_tokens, 8, 2048)
+    with extras.needed("serve", "bench serve"):
+        from .bench_serve import run_bench_serve
+    run_bench_serve(url, levels, requests, max_new_tokens, text, voice, wait, say=say, echo=click.echo)
 
 
 @bench.command("encode")

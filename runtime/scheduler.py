@@ -107,6 +107,18 @@ class Scheduler:
 
     # ---- the loop ----------------------------------------------------------------------------------------------------
 
+    def fail(self, error: str) -> None:
+        """Finish every queued and running request with `error` and free all slots, calling the engine no more (after
+        an engine failure, or when a server stops)."""
+        with self.lock:
+            requests = [*self.queue, *(r for r in self.slots if r is not None)]
+            self.queue.clear()
+        self.slots = [None] * len(self.slots)
+        for request in requests:
+            if not request.cancelled:
+                request.error = request.error or error
+            self._finish(request)
+
     def run(self) -> None:
         """Until every submitted request is finished."""
         while self.step():

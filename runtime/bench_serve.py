@@ -1,0 +1,95 @@
+"""`higgs-trt bench serve`: a running `higgs-trt serve` measured at the client, as its users see it.
+
+Closed-loop clients over HTTP (httpx): `concurrency` requests in flight, each finished one replaced by the next, until
+`requests` have finished. Each streams pcm (`stream_format: audio`), with its own seed and at most `max_new_tokens`
+decode steps. Per level: audio seconds received / wall time (audio-s/s), time to first audio from sending the
+request to the first audio byte (p50 / p95 / mean), and underruns (pieces that arrived after the audio before them
+would have finished playing, the first excepted). One warm-up request runs first.
+"""
+
+import asyncio
+import time
+
+import httpx
+
+from .bench import StreamFigures
+from .errors import HiggsError
+from .speech_api import MODEL_ID
+from .wav import SAMPLE_RATE
+
+BYTES_PER_SECOND = 2 * SAMPLE_RATE  # pcm: s16le mono
+
+
+async def _one(client: httpx.AsyncClient, body: dict) -> tuple[float | None, list, str | None]:
+    """(time to first audio, [(arrival, bytes)], error) of one streamed request."""
+    arrivals, t0 = [], time.perf_counter()
+    async with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        if response.status_code != 200:
+            return None, [], f"{response.status_code} {(await response.aread())[:200]!r}"
+        async for piece in response.aiter_raw():
+            if piece:
+                arrivals.append((time.perf_counter(), len(piece)))
+    return (arrivals[0][0] - t0 if arrivals else None), arrivals, None
+
+
+async def _level(url: str, concurrency: int, requests: int, body) -> tuple[StreamFigures, list[str]]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        pending = iter(range(requests))
+        results = []
+
+        async def client_loop():
+            for i in pending:  # one iterator shared by every client: each takes the next request
+                results.append(await _one(client, body(i)))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(min(concurrency, requests))))
+        wall = time.perf_counter() - t0
+    errors = [e for _, _, e in results if e]
+    ttfa = [1e3 * t for t, _, e in results if t is not None and not e]
+    audio_bytes, underruns = 0, 0
+    for _, arrivals, _ in results:
+        played = 0
+        for i, (at, n) in enumerate(arrivals):
+            if i and at > arrivals[0][0] + played / BYTES_PER_SECOND:
+                underruns += 1
+            played += n
+        audio_bytes += played
+    return StreamFigures(concurrency, len(results) - len(errors), audio_bytes / BYTES_PER_SECOND, wall, ttfa or [0.0],
+                         underruns), errors
+
+
+async def _wait_ready(url: str, wait: float, say) -> None:
+    deadline = time.perf_counter() + wait
+    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+        while True:
+            try:
+                r = await client.get("/health")
+                if r.status_code == 200:
+                    say(f"server ready: {r.json()}")
+                    return
+                status = f"{r.status_code} {r.text[:200]}"
+            except httpx.TransportError as e:
+                status = f"{type(e).__name__}"
+            if time.perf_counter() > deadline:
+                raise HiggsError(f"{url}/health is not 200 after {wait:g} s (last: {status})")
+            await asyncio.sleep(1.0)
+
+
+def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: int, text: str, voice: str,
+                    wait: float, say, echo) -> None:
+    def body(seed: int) -> dict:
+        return {"model": MODEL_ID, "input": text, "voice": voice, "response_format": "pcm",
+                "max_new_tokens": max_new_tokens, "seed": seed}
+
+    async def main():
+        await _wait_ready(url, wait, say)
+        warm, errors = await _level(url, 1, 1, body)
+        if errors:
+            raise HiggsError(f"the warm-up request failed: {errors[0]}")
+        say(f"warm-up: {warm.audio_s:.2f} s of audio per request ({max_new_tokens} decode steps at most)")
+        for c in levels:
+            figures, errors = await _level(url, c, requests or 2 * c, body)
+            echo(figures.line() + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
+
+    asyncio.run(main())

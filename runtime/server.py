@@ -1,0 +1,510 @@
+"""`higgs-trt serve`: OpenAI's speech API over the in-flight scheduler (runtime/scheduler.py).
+
+  POST /v1/audio/speech   a body as runtime/speech_api.py reads it → audio, streamed as it is decoded
+  GET  /v1/models         the one model served;  GET /v1/audio/voices: `default` and --voices DIR's names
+  GET  /health            200 once the engine is loaded and warmed; 503 while loading, shutting down, or failed
+  GET  /metrics           Prometheus text: time to first audio, queue depth, busy slots, audio seconds, outcomes
+
+Threads. uvicorn's event loop runs the HTTP side. One engine thread owns everything that touches the engine: it
+opens and warms it, encodes reference audio, and runs `scheduler.step()`, sleeping on the scheduler's wakeup event
+when there is nothing to do. A handler submits its request (thread-safe) and gets the audio through an asyncio.Queue
+that the engine thread feeds with `call_soon_threadsafe`. When a response body stops early — the client went away
+(Starlette cancels the body), the request timed out, the server is shutting down — its request is cancelled, and the
+loop frees the slot at its next step.
+
+Formats. wav and pcm stream chunk by chunk (a streamed wav's RIFF and data sizes are 0xFFFFFFFF); flac, mp3 and opus
+are written whole by soundfile once the utterance is complete (a FLAC's STREAMINFO carries the total length and an
+MD5 that libsndfile writes at the end, into a seekable file). SSE carries wav or pcm.
+
+Failures after the response has started (a timeout, an engine failure) cannot change its status: an audio body is
+cut (the connection closes before the final chunk, so the client sees an incomplete response), SSE sends a
+`speech.audio.error` event. SIGTERM: new requests get 503, those in flight finish (each within --timeout), exit 0.
+"""
+
+import asyncio
+import base64
+import concurrent.futures
+import io
+import json
+import logging
+import queue
+import re
+import signal
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .audio import ReferenceAudio, encode_reference, load_reference_audio, reference_audio_from_bytes
+from .decoding import Sampling
+from .errors import HiggsError
+from .prompt import build_prompt, check_text, load_reference_codes
+from .scheduler import QueueFull, Scheduler, request_for
+from .sinks import wav_header
+from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
+from .wav import SAMPLE_RATE, pcm16
+
+log = logging.getLogger("uvicorn.error")  # uvicorn's logger for everything but access lines: one log, one format
+
+MAX_BODY_BYTES = 16 << 20  # a 30 s reference as base64 fits (48 kHz stereo float32: 15.4 MB)
+WARMUP_TEXT = "Hello."
+TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+# ---- voices ----------------------------------------------------------------------------------------------------
+
+VOICE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+
+
+@dataclass
+class Voice:
+    codes: np.ndarray | None = None  # reference codes [T, 8]; None for `default` (zero-shot)
+    text: str | None = None  # transcript of the reference
+    audio: ReferenceAudio | None = None  # a recording, encoded into `codes` when the engine starts
+
+
+def load_voices(directory: Path | None, tokenizer) -> dict[str, Voice]:
+    """`default`, and one voice per NAME in `directory`: NAME.wav|.flac|.ogg|.mp3 (a 1–30 s recording) or NAME.npy
+    (codes [T,8], as `encode-audio` writes them), with an optional NAME.txt transcript. Anything else is refused."""
+    voices = {"default": Voice()}
+    if directory is None:
+        return voices
+    if not directory.is_dir():
+        raise HiggsError(f"--voices {directory}: not a directory")
+    files: dict[str, list[Path]] = {}
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith("."):
+            continue
+        if not path.is_file() or path.suffix.lower() not in (*AUDIO_SUFFIXES, ".npy", ".txt"):
+            raise HiggsError(f"{path}: not a voice file (NAME{'|'.join(AUDIO_SUFFIXES)} or NAME.npy, and an optional "
+                             "NAME.txt transcript)")
+        if not VOICE_NAME.fullmatch(path.stem) or path.stem == "default":
+            raise HiggsError(f"{path}: a voice name is 1–64 letters, digits, '_' or '-', and not 'default'")
+        files.setdefault(path.stem, []).append(path)
+    for name, paths in files.items():
+        refs = [p for p in paths if p.suffix.lower() != ".txt"]
+        if len(refs) != 1:
+            raise HiggsError(f"{directory}: voice {name!r} needs exactly one reference (a recording or codes .npy), "
+                             f"found {len(refs)}")
+        voice = Voice()
+        if refs[0].suffix.lower() == ".npy":
+            voice.codes = load_reference_codes(refs[0])
+        else:
+            voice.audio = load_reference_audio(refs[0])
+        transcript = next((p for p in paths if p.suffix.lower() == ".txt"), None)
+        if transcript is not None:
+            try:
+                text = transcript.read_text(encoding="utf-8").strip()
+            except UnicodeDecodeError:
+                raise HiggsError(f"{transcript}: not UTF-8 text") from None
+            tokenizer.encode(check_text(text, str(transcript)), str(transcript))
+            voice.text = text
+        voices[name] = voice
+    return voices
+
+
+# ---- the engine thread -----------------------------------------------------------------------------------------
+
+class EngineThread(threading.Thread):
+    """Opens the engine, then runs the scheduler loop and the jobs handed to it, all on this one thread."""
+
+    def __init__(self, open_engine, open_encoder, tokenizer, voices: dict[str, Voice], max_queue: int):
+        super().__init__(name="higgs-engine", daemon=True)
+        self.open_engine, self.open_encoder, self.tokenizer, self.voices = open_engine, open_encoder, tokenizer, voices
+        self.max_queue = max_queue
+        self.engine = self.scheduler = self.encoder = None
+        self.no_encoder: str | None = None  # why reference audio cannot be encoded
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.ready = threading.Event()
+        self.failure: str | None = None
+        self.stopping = False
+        self.on_failure = lambda: None
+
+    def run(self) -> None:
+        try:
+            self._start()
+        except HiggsError as e:
+            self._fail(str(e))
+            return
+        except Exception as e:  # anything else a backend raises while loading
+            self._fail(f"{type(e).__name__}: {e}", e)
+            return
+        log.info("engine ready: %s backend, %d slots", self.engine.name, self.engine.max_batch)
+        self.ready.set()
+        wakeup = self.scheduler.wakeup
+        while not self.stopping:
+            self._run_jobs()
+            try:
+                busy = self.scheduler.step()
+            except Exception as e:
+                self.ready.clear()
+                self.scheduler.fail(f"engine failure: {type(e).__name__}: {e}")
+                self._fail(f"engine failure: {type(e).__name__}: {e}", e)
+                return
+            if not busy:
+                wakeup.wait()
+                wakeup.clear()
+        self.scheduler.fail("the server stopped")
+
+    def _start(self) -> None:
+        self.engine = self.open_engine()
+        try:
+            self.encoder = self.open_encoder()
+        except HiggsError as e:
+            self.no_encoder = str(e)
+        for name, voice in self.voices.items():
+            if voice.audio is not None:
+                if self.encoder is None:
+                    raise HiggsError(f"voice {name!r} is a recording, but: {self.no_encoder}")
+                voice.codes, voice.audio = encode_reference(voice.audio, self.encoder), None
+        self.scheduler = Scheduler(self.engine, max_queue=self.max_queue)
+        prompt = build_prompt(self.tokenizer, WARMUP_TEXT)
+        warm = self.scheduler.submit(request_for(self.engine, prompt, Sampling(1.0), hard_cap=16))
+        self.scheduler.run()
+        if warm.error:
+            raise HiggsError(f"the warm-up request failed: {warm.error}")
+
+    def _fail(self, message: str, error: Exception | None = None) -> None:
+        """Not serving: pending jobs fail, and the server is told to exit (the CLI then prints `message`)."""
+        if error is not None:  # a bug or a broken engine: the traceback is for whoever debugs it
+            log.error("%s", message, exc_info=error)
+        self.failure = message
+        while not self.jobs.empty():
+            self.jobs.get()[0].set_exception(HiggsError(message))
+        self.on_failure()
+
+    def call(self, fn, *args) -> asyncio.Future:
+        """Run fn(*args) on the engine thread between two steps (awaitable from the event loop)."""
+        future = concurrent.futures.Future()
+        self.jobs.put((future, fn, args))
+        self.scheduler.wakeup.set()
+        return asyncio.wrap_future(future)
+
+    def _run_jobs(self) -> None:
+        while not self.jobs.empty():
+            future, fn, args = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except Exception as e:
+                    future.set_exception(e)
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.scheduler is not None:
+            self.scheduler.wakeup.set()
+        self.join(timeout=30)
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------------
+
+class Metrics:
+    def __init__(self, engine: EngineThread):
+        r = self.registry = CollectorRegistry()
+        self.ttfa = Histogram("higgs_time_to_first_audio_seconds", "From admission to the first audio chunk (server "
+                              "side)", buckets=TTFA_BUCKETS, registry=r)
+        self.audio = Counter("higgs_audio_seconds", "Seconds of audio decoded for clients", registry=r)
+        self.requests = Counter("higgs_requests", "Admitted requests by outcome (completed, failed, timeout, "
+                                "cancelled: the client went away)", ["outcome"], registry=r)
+        self.errors = Counter("higgs_errors", "Requests refused before admission, by error code", ["code"], registry=r)
+
+        def scheduler(attribute):
+            return lambda: getattr(engine.scheduler, attribute) if engine.scheduler is not None else 0
+
+        Gauge("higgs_queue_depth", "Requests waiting for a slot", registry=r).set_function(scheduler("waiting"))
+        Gauge("higgs_busy_slots", "Slots decoding a request", registry=r).set_function(scheduler("busy"))
+        Gauge("higgs_slots", "Engine slots", registry=r).set_function(
+            lambda: engine.engine.max_batch if engine.engine is not None else 0)
+
+
+# ---- one request's audio, from the engine thread to the response body ------------------------------------------
+
+class Cut(Exception):
+    """The request stopped before its audio was complete (timeout, engine failure)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+class AudioQueue:
+    """The request's callbacks (called on the engine thread) → an asyncio.Queue the response body reads."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics):
+        self.loop, self.metrics = loop, metrics
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.stopped: str | None = None  # why the body stopped early: the outcome of a cancelled request
+
+    def chunk(self, samples: np.ndarray) -> None:
+        self.metrics.audio.inc(len(samples) / SAMPLE_RATE)
+        self._put(samples)
+
+    def done(self, request) -> None:
+        outcome = "failed" if request.error else (self.stopped or "cancelled") if request.cancelled else "completed"
+        self.metrics.requests.labels(outcome).inc()
+        if request.first_audio_at is not None:
+            self.metrics.ttfa.observe(request.first_audio_at - request.submitted_at)
+        self._put(None)
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+    async def chunks(self, request, deadline: float):
+        """The request's audio chunks as they come; Cut if it times out or fails."""
+        while True:
+            try:
+                item = await asyncio.wait_for(self.items.get(), max(deadline - self.loop.time(), 0))
+            except asyncio.TimeoutError:
+                self.stopped = "timeout"
+                raise Cut("the request timed out (the server's --timeout)", "timeout") from None
+            if item is None:
+                break
+            yield item
+        if request.error:
+            raise Cut(request.error, "engine_error")
+
+
+# ---- the service -----------------------------------------------------------------------------------------------
+
+class SpeechService:
+    def __init__(self, engine: EngineThread, tokenizer, voices: dict[str, Voice], ref_dir: Path | None,
+                 timeout: float, max_body: int = MAX_BODY_BYTES, model: str = MODEL_ID):
+        self.engine, self.tokenizer, self.voices, self.ref_dir = engine, tokenizer, voices, ref_dir
+        self.timeout, self.max_body, self.model = timeout, max_body, model
+        self.metrics = Metrics(engine)
+        self.created = int(time.time())
+        self.draining = False
+
+    # ---- routes ----
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.failure:
+            return JSONResponse({"status": "failed", "error": self.engine.failure}, 503)
+        if self.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
+        if not self.engine.ready.is_set():
+            return JSONResponse({"status": "loading"}, 503)
+        return JSONResponse({"status": "ok", "backend": self.engine.engine.name, "slots": self.engine.engine.max_batch})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
+                                                         "owned_by": "higgs-trt"}]})
+
+    async def voice_names(self, request: Request) -> Response:
+        return JSONResponse({"voices": list(self.voices)})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def speech(self, request: Request) -> Response:
+        arrived = asyncio.get_running_loop().time()
+        try:
+            job, stream, speech, input_tokens = await self._admit(request)
+        except ApiError as e:
+            self.metrics.errors.labels(e.code).inc()
+            return JSONResponse(e.body(), e.status, headers=e.headers)
+        deadline = arrived + self.timeout
+        stop = partial(self._stop, job, stream)
+        if speech.sse:
+            return AudioResponse(self._sse(stream, job, speech, deadline, input_tokens), stop,
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if speech.response_format in ENCODED:
+            return AudioResponse(self._whole(stream, job, speech, deadline), stop,
+                                 media_type=ENCODED[speech.response_format][2])
+        raw = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Channels": "1", "X-Bit-Depth": "16"}
+        media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
+        return AudioResponse(self._audio(stream, job, speech, deadline), stop, media_type=media, headers=raw)
+
+    async def _admit(self, request: Request):
+        """Parse, check, build the prompt, submit: every refusal is an ApiError."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
+        if not self.engine.ready.is_set():
+            why = f"the engine failed: {self.engine.failure}" if self.engine.failure else "the engine is loading"
+            raise ApiError(503, why, None, "not_ready", "server_error", {"Retry-After": "5"})
+        body = await self._body(request)
+        speech = await run_in_threadpool(parse_speech, body, self.model, self.voices, self.ref_dir)
+        prompt = await self._prompt(speech)
+        stream = AudioQueue(asyncio.get_running_loop(), self.metrics)
+        with field("input"):
+            job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
+                              on_chunk=stream.chunk, on_done=stream.done)
+        try:
+            self.engine.scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, f"{e}; retry shortly", None, "queue_full", "rate_limit_error",
+                           {"Retry-After": "1"}) from None
+        return job, stream, speech, len(prompt)
+
+    async def _body(self, request: Request) -> bytes:
+        """The whole body, refused past the cap (read to its end, so the client gets the answer, not a reset)."""
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size <= self.max_body:
+                parts.append(part)
+            else:
+                parts.clear()
+        if size > self.max_body:
+            raise ApiError(413, f"the request body is {size} bytes; at most {self.max_body}", None, "request_too_large")
+        return b"".join(parts)
+
+    async def _prompt(self, speech: Speech):
+        voice = self.voices[speech.voice]
+        codes, text = (voice.codes, voice.text) if speech.voice != "default" else (speech.ref_codes, speech.ref_text)
+        if speech.ref_audio is not None:
+            if self.engine.encoder is None:
+                raise ApiError(400, f"ref_audio cannot be encoded here: {self.engine.no_encoder}", "ref_audio",
+                               "unsupported_parameter")
+            read = load_reference_audio if isinstance(speech.ref_audio, Path) else partial(reference_audio_from_bytes,
+                                                                                          what="ref_audio")
+            with field("ref_audio"):
+                audio = await run_in_threadpool(read, speech.ref_audio)
+                codes = await self.engine.call(encode_reference, audio, self.engine.encoder)
+        if speech.ref_text is not None:
+            with field("ref_text"):
+                self.tokenizer.encode(speech.ref_text, "ref_text")
+        with field("input"):
+            self.tokenizer.encode(speech.text, "input")  # its errors name the field; build_prompt's say "text"
+            return build_prompt(self.tokenizer, speech.text, codes, text)
+
+    # ---- response bodies (AudioResponse cancels the request when one stops early) ----
+
+    def _stop(self, job, stream: AudioQueue) -> None:
+        if not job.finished:
+            stream.stopped = stream.stopped or "cancelled"
+            self.engine.scheduler.cancel(job)
+
+    async def _audio(self, stream: AudioQueue, job, speech: Speech, deadline: float):
+        if speech.response_format == "wav":
+            yield wav_header(None)
+        async for samples in stream.chunks(job, deadline):
+            yield pcm16(samples)[0]
+
+    async def _whole(self, stream: AudioQueue, job, speech: Speech, deadline: float):
+        chunks = [samples async for samples in stream.chunks(job, deadline)]
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        yield await run_in_threadpool(encode_file, audio, speech.response_format)
+
+    async def _sse(self, stream: AudioQueue, job, speech: Speech, deadline: float, input_tokens: int):
+        def event(data: dict) -> bytes:
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        def delta(data: bytes) -> bytes:
+            return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
+        header = wav_header(None) if speech.response_format == "wav" else b""
+        try:
+            async for samples in stream.chunks(job, deadline):
+                yield delta(header + pcm16(samples)[0])
+                header = b""
+        except Cut as e:
+            yield event({"type": "speech.audio.error",
+                         "error": {"message": str(e), "type": "server_error", "param": None, "code": e.code}})
+            return
+        if header:  # no audio at all: a wav is still a wav
+            yield delta(header)
+        rows = len(job.utterance.rows)
+        yield event({"type": "speech.audio.done",
+                     "usage": {"input_tokens": input_tokens, "output_tokens": rows, "total_tokens": input_tokens + rows}})
+
+
+class AudioResponse(StreamingResponse):
+    """A streamed body that calls `stop` however it ends: complete, client gone (Starlette cancels the body the
+    moment the disconnect arrives), timed out, failed, server shutting down — even before its first byte."""
+
+    def __init__(self, body, stop, **kwargs):
+        super().__init__(body, **kwargs)
+        self.stop = stop
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except Cut as e:  # returning without the final chunk: uvicorn closes the connection, the body stays incomplete
+            log.warning("response cut: %s", e)
+        finally:
+            self.stop()
+
+
+def encode_file(audio: np.ndarray, fmt: str) -> bytes:
+    """A whole flac / mp3 / opus file of the 16-bit samples (the same samples wav and pcm carry)."""
+    import soundfile
+
+    kind, subtype, _ = ENCODED[fmt]
+    out = io.BytesIO()
+    soundfile.write(out, np.frombuffer(pcm16(audio)[0], "<i2"), SAMPLE_RATE, format=kind, subtype=subtype)
+    return out.getvalue()
+
+
+# ---- the app and its server ------------------------------------------------------------------------------------
+
+def create_app(service: SpeechService) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        try:
+            yield
+        finally:
+            service.engine.stop()
+
+    async def http_error(request: Request, e: HTTPException) -> Response:  # 404, 405 in OpenAI's shape
+        error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None,
+                         "not_found" if e.status_code == 404 else "invalid_request")
+        return JSONResponse(error.body(), e.status_code, headers=e.headers)
+
+    routes = [Route("/v1/audio/speech", service.speech, methods=["POST"]),
+              Route("/v1/models", service.models), Route("/v1/audio/voices", service.voice_names),
+              Route("/health", service.health), Route("/metrics", service.metrics_text)]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+
+
+def serve(service: SpeechService, host: str, port: int) -> None:
+    """Serve until SIGTERM / SIGINT (then drain and return) or an engine failure (HiggsError)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            service.draining = True  # new requests get 503 until the listening socket is closed
+            super().handle_exit(sig, frame)
+
+    # Bound here, before anything loads, so a taken port is one clear error (uvicorn would log it and exit).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise HiggsError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # In-flight requests end by their own --timeout; the grace period only adds time for the last bytes to go out.
+    config = uvicorn.Config(create_app(service), timeout_graceful_shutdown=service.timeout + 5, log_level="info")
+    log.info("listening on http://%s:%d (/health turns 200 once the engine is loaded and warmed)", host,
+             sock.getsockname()[1])
+    server = Server(config)
+    service.engine.on_failure = lambda: setattr(server, "should_exit", True)
+    # uvicorn raises the signal again after its graceful shutdown, under the handler it found: make that one a no-op,
+    # so a drained SIGTERM ends with exit code 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if service.engine.failure:
+        raise HiggsError(service.engine.failure)
