@@ -89,6 +89,7 @@ def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: 
             raise HiggsError(f"the warm-up request failed: {errors[0]}")
         say(f"warm-up: {warm.audio_s:.2f} s of audio per request ({max_new_tokens} decode steps at most)")
         for c in levels:
+            await _level(url, c, c, body)  # warm-up: the codec meets this level's window shapes first
             figures, errors = await _level(url, c, requests or 2 * c, body)
             echo(figures.line() + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
 

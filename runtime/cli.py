@@ -196,8 +196,12 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
               help="Requests waiting for a slot; past this, new ones get 429 with Retry-After.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="Seconds a request may take, waiting included; then it is cancelled and its slot freed.")
+@click.option("--fixed-length", is_flag=True,
+              help="Benchmarks on random weights only: every request decodes exactly max_new_tokens rows (the stop "
+                   "rules, which end random-weight utterances at 32 repeated rows, are off).")
 @click.pass_context
-def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voices_dir, ref_dir, max_queue, timeout):
+def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voices_dir, ref_dir, max_queue, timeout,
+          fixed_length):
     """Serve OpenAI's POST /v1/audio/speech (plus /v1/models, /health, /metrics) on the in-flight scheduler."""
     import math
 
@@ -221,7 +225,7 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voice
     voices = load_voices(voices_dir, tokenizer)  # every voice file checked before the server starts
     thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, say=say),
                           lambda: open_encoder(sources, device), tokenizer, voices, max_queue)
-    run_server(SpeechService(thread, tokenizer, voices, ref_dir, timeout), host, port)
+    run_server(SpeechService(thread, tokenizer, voices, ref_dir, timeout, fixed_length=fixed_length), host, port)
 
 
 def stream_plan(first_chunk: int, chunk: int, context: int | None, holdback: int | None, first_holdback: int | None,

@@ -284,8 +284,9 @@ class AudioQueue:
 
 class SpeechService:
     def __init__(self, engine: EngineThread, tokenizer, voices: dict[str, Voice], ref_dir: Path | None,
-                 timeout: float, max_body: int = MAX_BODY_BYTES, model: str = MODEL_ID):
+                 timeout: float, max_body: int = MAX_BODY_BYTES, model: str = MODEL_ID, fixed_length: bool = False):
         self.engine, self.tokenizer, self.voices, self.ref_dir = engine, tokenizer, voices, ref_dir
+        self.fixed_length = fixed_length  # benchmarks: every request decodes exactly max_new_tokens rows
         self.timeout, self.max_body, self.model = timeout, max_body, model
         self.metrics = Metrics(engine)
         self.created = int(time.time())
@@ -345,6 +346,7 @@ class SpeechService:
         with field("input"):
             job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
                               on_chunk=stream.chunk, on_done=stream.done)
+        job.fixed_rows = self.fixed_length
         try:
             self.engine.scheduler.submit(job)
         except QueueFull as e:
