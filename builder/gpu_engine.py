@@ -328,7 +328,7 @@ class GpuEngine:
             self.end_frame[slot] = int(NO_END)
             self.active[slot] = 1
             self.temperature[slot] = max(sampling.temperature, 0.0)
-            self.top_k[slot] = sampling.top_k
+            self.top_k[slot] = min(sampling.top_k, cfg.codebook_vocab)  # k ≥ the vocabulary keeps every code
             self.top_p[slot] = sampling.top_p
             self.seed[slot] = sampling.seed
             codes = self.codes[slot:slot + 1]

@@ -40,7 +40,9 @@ def test_a_request_decodes_the_same_alone_and_joining_mid_flight(engine, prompts
     busy.run()
     assert busy.slots.count(None) == engine.max_batch  # every slot free at the end
     assert np.array_equal(np.stack(solo.utterance.rows), np.stack(joined.utterance.rows))
-    assert np.array_equal(solo.audio(), joined.audio()) and len(solo.audio()) > 0
+    # the codes are identical; the codec may decode equal-length windows of several requests in one call, and ORT's
+    # convolutions round ~1e-7 differently by batch size
+    assert len(solo.audio()) > 0 and np.allclose(solo.audio(), joined.audio(), rtol=0, atol=1e-5)
     assert all(r.finished and not r.cancelled for r in others)
 
 
