@@ -53,26 +53,36 @@ def shapes(cfg: HiggsConfig) -> dict:
 SMS = 132  # H200 multiprocessors
 
 
-def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 12) -> list[TileConfig]:
+def candidates(n: int, k: int, gated: bool, fp8: bool, rows16: int = 1, swapped: int = 8) -> list[TileConfig]:
     """Tile shapes worth timing, ranked by a model of the weight read: the programs should fill every SM in whole
-    waves (the last, partial wave is idle bandwidth), with enough of them resident per SM to keep loads in flight."""
-    ranked = []
-    for block_n in (16, 32, 64, 128):
-        for split in (1, 2, 4, 8):
-            programs = -(-n // block_n) * split
-            if programs < SMS or k // split < 256:
-                continue
-            for block_k in ((512, 1024) if fp8 else (256, 512)):
-                for stages in (2, 3, 4):
-                    stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 16 * 2)
-                    resident = min(4, (220 * 1024) // (stage * stages))
-                    if resident < 1:
-                        continue
-                    waves = programs / (SMS * resident)
-                    fill = waves / -(-waves // 1)
-                    ranked.append((fill * min(1.0, resident * stages * stage / 96e3), block_k, block_n, split, stages))
-    ranked.sort(reverse=True)
-    return [TileConfig(bn, bk, sp, 8 if fp8 else 4, st) for _, bk, bn, sp, st in ranked[:limit]]
+    waves (the last, partial wave is idle bandwidth), with enough of them resident per SM to keep loads in flight.
+    The shape in TUNED first, then the best of the 16-row form and of swapped tiles (weight rows on the MMA's M side:
+    wgmma on Hopper)."""
+    def ranked(block_ns, block_ks, swap, limit):
+        out = []
+        for block_n in block_ns:
+            for split in (1, 2, 4, 8):
+                programs = -(-n // block_n) * split
+                if programs < SMS or k // split < 256:
+                    continue
+                for block_k in block_ks:
+                    for stages in (2, 3, 4):
+                        stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 16 * 2)
+                        resident = min(4, (220 * 1024) // (stage * stages))
+                        if resident < 1:
+                            continue
+                        waves = programs / (SMS * resident)
+                        fill = waves / -(-waves // 1)
+                        warps = 8 if block_n > 64 or (fp8 and not swap) else 4
+                        out.append((fill * min(1.0, resident * stages * stage / 96e3),
+                                    TileConfig(block_n, block_k, split, warps, stages, swap)))
+        out.sort(key=lambda r: r[0], reverse=True)
+        return [tiles for _, tiles in out[:limit]]
+
+    tuned = [TUNED[n, k, fp8]] if (n, k, fp8) in TUNED else []
+    tried = ranked((16, 32, 64, 128), (512, 1024) if fp8 else (256, 512), False, rows16)
+    tried += ranked((64, 128), (128, 256, 512) if fp8 else (64, 128, 256), True, swapped)
+    return tuned + [t for t in tried if t not in tuned]
 
 
 def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: int, copies: list) -> float:
@@ -124,6 +134,8 @@ def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, say=print) -> dict:
                 say(f"  {name} {'fp8' if fp8 else 'bf16'}: no tile shape ran at M=64")
                 continue
             finals.sort(key=lambda r: r[0])
+            for _, t1, t16, t64, tiles in finals[1:]:
+                say(f"    also {t1 * 1e3:7.1f} / {t16 * 1e3:7.1f} / {t64 * 1e3:7.1f} µs  {tiles}")
             _, t1, t16, t64, tiles = finals[0]
             best[(n, k, fp8)] = tiles
             TUNED[(n, k, fp8)] = tiles
@@ -177,17 +189,18 @@ def step_ms(engine: GpuEngine, batch: int, context: int) -> float:
 
 
 def bench_steps(cfg: HiggsConfig, batches=(1, 8, 64), context: int = 300, fp8_options=(False, True),
-                max_seq: int = 2048, say=print) -> list[StepFigures]:
+                pdl_options=(None,), max_seq: int = 2048, say=print) -> list[StepFigures]:
+    """Step time per batch size, per precision and launch mode (PDL on / off / the device's default), side by side."""
     bandwidth = copy_bandwidth()
     tensors = random_tensors(cfg)
     figures = []
-    for fp8 in fp8_options:
+    for fp8, pdl in ((f, p) for f in fp8_options for p in pdl_options):
         amax = {f"body.layers.{i}.{site}": 4.0 for i in range(cfg.num_layers)
                 for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")} if fp8 else None
         t0 = time.perf_counter()
-        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=512, act_amax=amax)
+        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=512, act_amax=amax, pdl=pdl)
         floor = weight_bytes(engine) / bandwidth * 1e3  # the copy rate counts bytes read + written, as the floor's
-        say(f"{engine.precision}: engine built and {len(engine.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s; "
+        say(f"{engine.precision}{' PDL' if engine.pdl else ''}: engine built and {len(engine.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s; "
             f"weights read per step {weight_bytes(engine) / 1e9:.2f} GB → floor {floor:.3f} ms "
             f"(copy {bandwidth / 1e12:.2f} TB/s); peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         for b in batches:

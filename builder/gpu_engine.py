@@ -19,8 +19,8 @@ FP8 (--precision fp8): per-output-channel FP8 weights and the calibration's stat
 quantisation of the FP8 engine (calibration/qdq.py), executed by the linear kernel's FP8 path (not torch._scaled_mm,
 which is slower than BF16 at decode sizes: ../shared/docs/gpu-measurements.md). The audio table stays bf16.
 
-Prefill runs one request at a time (batch 1, so its numerics never depend on other requests): the same linear
-kernel, and SDPA's causal attention over the new rows.
+Prefill takes the requests that join together: their rows go through the same linear kernel at once, with K never
+split, so a row's numbers never depend on the other requests; SDPA's causal attention runs per prompt.
 """
 
 import time
@@ -55,6 +55,7 @@ class TileConfig:
     split_k: int
     warps: int = 4
     stages: int = 4
+    swap: bool = False  # weight rows on the MMA's M side (gpu_kernels._dot): wgmma on Hopper from block_n 64
 
 
 def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig:
@@ -70,18 +71,19 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
     return TileConfig(block_n, 512 if fp8 else 256, split)
 
 
-# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30: the best of 8-12 shapes each by M=1 + M=64 time);
-# shapes not listed use default_tiles. (N, K, fp8) → tiles.
+# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30: the best of 10-12 shapes each by M=1 + M=64 time);
+# shapes not listed use default_tiles. (N, K, fp8) → tiles. Swapped tiles won everywhere but the BF16 gate|up. The
+# FP8 figures were timed with Triton's fast FP8 sums, before mma made them exact (slower at M=64: README).
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
-    (9728, 2560, False): TileConfig(32, 256, 1),  # gate|up: 32.1 µs at M=1, 42.6 at M=64
-    (9728, 2560, True): TileConfig(32, 512, 1),  # 27.2 / 95.5
-    (2560, 9728, False): TileConfig(32, 256, 4),  # down: 17.9 / 43.2
-    (2560, 9728, True): TileConfig(32, 512, 8),  # 18.3 / 47.2
-    (6144, 2560, False): TileConfig(32, 256, 2),  # q|k|v: 12.6 / 30.5
-    (6144, 2560, True): TileConfig(32, 512, 4),  # 15.5 / 36.5
-    (2560, 4096, False): TileConfig(32, 256, 4),  # o: 10.4 / 23.9
-    (2560, 4096, True): TileConfig(32, 512, 8),  # 13.0 / 29.8
-    (8208, 2560, False): TileConfig(32, 256, 2),  # audio head: 17.9 / 39.1
+    (9728, 2560, False): TileConfig(32, 256, 1),  # gate|up: 34.4 µs at M=1, 42.5 at M=64
+    (9728, 2560, True): TileConfig(64, 256, 8, 4, 2, swap=True),  # 25.8 / 62.4
+    (2560, 9728, False): TileConfig(64, 64, 8, 4, 3, swap=True),  # down: 18.6 / 25.1
+    (2560, 9728, True): TileConfig(64, 256, 4, 4, 4, swap=True),  # 12.2 / 37.2
+    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, swap=True),  # q|k|v: 12.1 / 20.9
+    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, swap=True),  # 9.6 / 26.5
+    (2560, 4096, False): TileConfig(64, 64, 8, 4, 3, swap=True),  # o: 10.4 / 15.1
+    (2560, 4096, True): TileConfig(64, 256, 4, 4, 4, swap=True),  # 8.4 / 22.6
+    (8208, 2560, False): TileConfig(128, 128, 4, 8, 3, swap=True),  # audio head: 16.5 / 25.4
 }
 
 
@@ -104,12 +106,13 @@ class Linear:
         return w8.contiguous(), scale.to(w.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, m: int, workspace: "Workspace",
-                 residual: bool = False, tiles: TileConfig | None = None) -> None:
-        """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...)."""
+                 residual: bool = False, tiles: TileConfig | None = None, whole_k: bool = False) -> None:
+        """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...). whole_k: one K order for any m
+        (prefill; a decode step's m ≤ 64 splits K for parallelism)."""
         t = tiles or self.tiles
-        split = t.split_k if m <= 64 else 1
+        split = t.split_k if m <= 64 and not whole_k else 1
         rows = 16 * min(4, -(-m // 16))
-        grid = (-(-self.n // t.block_n), split)
+        grid = (-(-self.n // t.block_n), split, -(-m // rows))  # prefill: the row chunks in parallel
         # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
         stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
         stages = max(2, min(t.stages, SHARED_MEMORY // stage))
@@ -119,13 +122,17 @@ class Linear:
             out, out, workspace.partials, workspace.tickets, m, self.x_scale,
             N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split, TILES=rows // 16,
             FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
-            num_warps=t.warps, num_stages=stages)
+            SWAP=t.swap, PDL=workspace.pdl, launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages)
 
 
 class Workspace:
-    """Scratch shared by every launch of a step (they run one after another on one stream)."""
+    """Scratch shared by every launch of a step (they run one after another on one stream), and how they launch:
+    with programmatic dependent launch (`pdl`) each kernel starts while the previous one drains and waits for its
+    writes inside (plugins/kernels.await_inputs), hiding the launch gap between the step's ~300 kernels."""
 
-    def __init__(self, max_n: int, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_seq: int, device):
+    def __init__(self, max_n: int, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_seq: int, device,
+                 pdl: bool = False):
+        self.pdl = pdl
         chunks = -(-max_seq // ATTENTION_CHUNK)
         self.partials = torch.empty(2 * 8 * 64 * max_n, dtype=torch.float32, device=device)  # gated: two sets
         self.tickets = torch.zeros(max_n, dtype=torch.int32, device=device)
@@ -159,7 +166,8 @@ class GpuEngine:
     lag = 1  # a step's codes are read after the next step is launched
 
     def __init__(self, cfg: HiggsConfig, tensors: dict, *, max_seq: int, max_batch: int, max_prompt: int,
-                 act_amax: dict | None = None, codec=None, device: str = "cuda", graphs: bool = True):
+                 act_amax: dict | None = None, codec=None, device: str = "cuda", graphs: bool = True,
+                 pdl: bool | None = None):
         self.cfg, self.max_seq, self.max_batch, self.max_prompt = cfg, max_seq, max_batch, max_prompt
         self.device = torch.device(device)
         self.precision = "fp8" if act_amax else "bf16"
@@ -200,7 +208,10 @@ class GpuEngine:
         self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(max_batch, **i64)
         n_max = max(lin.n for lin in (self.layers[0].qkv, self.layers[0].gate_up, self.head))
-        self.workspace = Workspace(n_max, max_batch, hq, hkv, d, max_seq, dev)
+        if pdl is None:  # Hopper on (griddepcontrol); launched without it, the kernels' waits are no-ops
+            pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+        self.workspace = Workspace(n_max, max_batch, hq, hkv, d, max_seq, dev, pdl)
+        self.pdl = pdl
 
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -231,11 +242,11 @@ class GpuEngine:
             k_cache, v_cache = self.caches[i, 0], self.caches[i, 1]
             plugin_kernels.qk_norm_rope_kv_write[(n,)](
                 self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.write_pos, self.q, k_cache, v_cache,
-                1, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2)
+                1, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2, **self._launch())
             plugin_kernels.decode_attention_split[(n, hkv, ws.chunks)](
                 self.q, k_cache, v_cache, self.write_pos, self.attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets,
                 self.max_seq, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
-                MAX_CHUNKS=ws.chunks)
+                MAX_CHUNKS=ws.chunks, **self._launch())
             layer.o(self.attn, h, n, ws, residual=True)
             self._norm(h, layer.post_norm, x, n)
             layer.gate_up(x, self.act, n, ws)
@@ -247,7 +258,11 @@ class GpuEngine:
 
     def _norm(self, src: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, rows: int) -> None:
         h = self.cfg.hidden_size
-        gpu_kernels.rms_norm[(rows,)](src, weight, out, self.cfg.rms_norm_eps, H=h, BLOCK=1 << (h - 1).bit_length())
+        gpu_kernels.rms_norm[(rows,)](src, weight, out, self.cfg.rms_norm_eps, H=h, BLOCK=1 << (h - 1).bit_length(),
+                                      **self._launch())
+
+    def _launch(self) -> dict:
+        return dict(PDL=self.pdl, launch_pdl=self.pdl)
 
     def _choose(self, n: int, logits: torch.Tensor, embedding: torch.Tensor, codes: torch.Tensor, slot: int = 0) -> None:
         """delayed_codebook_sample for slots [slot, slot + n) (logits and outputs are indexed from their row 0)."""
@@ -258,12 +273,13 @@ class GpuEngine:
             logits, self.row_index[s], self.end_frame[s], self.table, self.temperature[s], self.top_k[s],
             self.top_p[s], self.seed[s], codes, embedding, self.end_next[s], K=cfg.num_codebooks,
             VOCAB=cfg.codebook_vocab, HIDDEN=cfg.hidden_size, BLOCK_V=1 << (cfg.codebook_vocab - 1).bit_length(),
-            BLOCK_H=block_h, num_warps=8)
+            BLOCK_H=block_h, num_warps=8, **self._launch())
 
     def _advance(self, slot: int, n: int) -> None:
         s = slice(slot, slot + n)
         gpu_kernels.advance_slots[(1,)](self.write_pos[s], self.row_index[s], self.end_frame[s], self.end_next[s],
-                                        self.active[s], n, self.max_seq, BLOCK=max(16, 1 << (n - 1).bit_length()))
+                                        self.active[s], n, self.max_seq, BLOCK=max(16, 1 << (n - 1).bit_length()),
+                                        **self._launch())
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -287,58 +303,77 @@ class GpuEngine:
     # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt: Prompt, sampling: Sampling) -> None:
-        """Fill slot `slot` from a prompt (batch 1) and choose its row 0 on the device."""
+    def prefill(self, joins: list[tuple[int, Prompt, Sampling]]) -> None:
+        """Fill each join's slot from its prompt and choose its row 0 on the device. The prompts' rows go through
+        the GEMMs together (K never split, so a row's result does not depend on the others) and attention runs per
+        prompt: a request prefills to the same state alone or with others."""
         t0 = time.perf_counter()
-        p = len(prompt)
-        if p > self.max_prompt:
-            raise ValueError(f"prompt of {p} tokens exceeds max_prompt {self.max_prompt}")
+        for _, prompt, _ in joins:
+            if len(prompt) > self.max_prompt:
+                raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prompt {self.max_prompt}")
+        group, rows = [], 0
+        for join in joins:  # as many prompts at a time as the activation buffers hold rows
+            if group and rows + len(join[1]) > self.x.shape[0]:
+                self._prefill_group(group)
+                group, rows = [], 0
+            group.append(join)
+            rows += len(join[1])
+        if group:
+            self._prefill_group(group)
+        self.prefill_seconds += time.perf_counter() - t0
+
+    def _prefill_group(self, group: list[tuple[int, Prompt, Sampling]]) -> None:
         cfg, ws, dev = self.cfg, self.workspace, self.device
+        lengths = [len(prompt) for _, prompt, _ in group]
+        starts = np.cumsum([0] + lengths[:-1])
+        p, g = sum(lengths), len(group)
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-            ids = torch.from_numpy(prompt.input_ids).to(dev, torch.int64)
-            rows = torch.from_numpy(prompt.audio_rows).to(dev, torch.int64)
-            audio = torch.from_numpy(prompt.is_audio).to(dev)
+            ids = torch.from_numpy(np.concatenate([j[1].input_ids for j in group])).to(dev, torch.int64)
+            rows = torch.from_numpy(np.concatenate([j[1].audio_rows for j in group])).to(dev, torch.int64)
+            audio = torch.from_numpy(np.concatenate([j[1].is_audio for j in group])).to(dev)
             text = F.embedding(ids, self.text_table)
             ref = F.embedding(rows + self.offsets, self.table).float().sum(1).to(torch.bfloat16)
             h = torch.where(audio[:, None], ref, text).contiguous()
             x, qkv, q, attn, act = self.x[:p], self.qkv_out[:p], self.q[:p], self.attn[:p], self.act[:p]
             start = torch.zeros(1, dtype=torch.int64, device=dev)
-            hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             for i, layer in enumerate(self.layers):
                 self._norm(h, layer.input_norm, x, p)
-                layer.qkv(x, qkv, p, ws)
-                k_cache, v_cache = self.caches[i, 0, slot:slot + 1], self.caches[i, 1, slot:slot + 1]
-                plugin_kernels.qk_norm_rope_kv_write[(p,)](
-                    qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, start, q, k_cache, v_cache, p, self.max_seq,
-                    cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2)
-                out = F.scaled_dot_product_attention(
-                    q.view(1, p, hq, d).transpose(1, 2), k_cache[:, :, :p], v_cache[:, :, :p], is_causal=True,
-                    enable_gqa=True)
-                attn.copy_(out.transpose(1, 2).reshape(p, hq * d))
-                layer.o(attn, h, p, ws, residual=True)
+                layer.qkv(x, qkv, p, ws, whole_k=True)
+                for (slot, _, _), s0, n in zip(group, starts, lengths):
+                    k_cache, v_cache = self.caches[i, 0, slot:slot + 1], self.caches[i, 1, slot:slot + 1]
+                    plugin_kernels.qk_norm_rope_kv_write[(n,)](
+                        qkv[s0:s0 + n], layer.q_norm, layer.k_norm, self.cos, self.sin, start, q[s0:s0 + n], k_cache,
+                        v_cache, n, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2,
+                        **self._launch())
+                    out = F.scaled_dot_product_attention(
+                        q[s0:s0 + n].view(1, n, hq, d).transpose(1, 2), k_cache[:, :, :n], v_cache[:, :, :n],
+                        is_causal=True, enable_gqa=True)
+                    attn[s0:s0 + n].copy_(out.transpose(1, 2).reshape(n, hq * d))
+                layer.o(attn, h, p, ws, residual=True, whole_k=True)
                 self._norm(h, layer.post_norm, x, p)
-                layer.gate_up(x, act, p, ws)
-                layer.down(act, h, p, ws, residual=True)
-            last = self.x[:1]
-            self._norm(h[p - 1:p], self.final_norm, last, 1)
-            logits = self.logits[slot:slot + 1]
-            self.head(last, logits, 1, ws)
-            self.write_pos[slot] = p - 1  # advance_slots moves it to p, where row 0 is fed back
-            self.row_index[slot] = 0
-            self.end_frame[slot] = int(NO_END)
-            self.active[slot] = 1
-            self.temperature[slot] = max(sampling.temperature, 0.0)
-            self.top_k[slot] = min(sampling.top_k, cfg.codebook_vocab)  # k ≥ the vocabulary keeps every code
-            self.top_p[slot] = sampling.top_p
-            self.seed[slot] = sampling.seed
-            codes = self.codes[slot:slot + 1]
-            self._choose(1, logits, self.h[slot:slot + 1], codes, slot)
-            self._advance(slot, 1)
-            self.host_first[slot].copy_(codes[0], non_blocking=True)
-            self.epochs[slot] += 1
-            self.live[slot] = True
-            self._record("first", [slot])
-        self.prefill_seconds += time.perf_counter() - t0
+                layer.gate_up(x, act, p, ws, whole_k=True)
+                layer.down(act, h, p, ws, residual=True, whole_k=True)
+            last = h[torch.from_numpy(starts + np.array(lengths) - 1).to(dev)]
+            self._norm(last, self.final_norm, self.x[:g], g)
+            logits = self.logits[:g]
+            self.head(self.x[:g], logits, g, ws, whole_k=True)
+            for j, ((slot, _, sampling), n) in enumerate(zip(group, lengths)):
+                self.write_pos[slot] = n - 1  # advance_slots moves it to n, where row 0 is fed back
+                self.row_index[slot] = 0
+                self.end_frame[slot] = int(NO_END)
+                self.active[slot] = 1
+                self.temperature[slot] = max(sampling.temperature, 0.0)
+                self.top_k[slot] = min(sampling.top_k, cfg.codebook_vocab)  # k ≥ the vocabulary keeps every code
+                self.top_p[slot] = sampling.top_p
+                self.seed[slot] = sampling.seed
+                codes = self.codes[slot:slot + 1]
+                self._choose(1, logits[j:j + 1], self.h[slot:slot + 1], codes, slot)
+                self._advance(slot, 1)
+                self.host_first[slot].copy_(codes[0], non_blocking=True)
+                self.epochs[slot] += 1
+                self.live[slot] = True
+            self._record("first", [slot for slot, _, _ in group])
 
     def step(self, n: int) -> None:
         """One row for every active slot below n (inactive ones compute a row nobody reads)."""

@@ -5,19 +5,23 @@ Batch invariance is the rule: a row's result never depends on which other rows s
 decodes to the same codes alone or inside any batch. The linear kernel therefore computes every row in fixed
 16-row tiles with one fixed K order per weight shape (tile sizes and the split of K are chosen per weight shape,
 never per batch size), and a split-K partial sum is reduced in split order by the program that finishes last
-(no float atomics).
+(no float atomics). A prefill never splits K, so its rows do not depend on how many prompts share the call.
+
+Every kernel here takes PDL: launched with programmatic dependent launch, it waits for the previous kernel's writes
+first (plugins/kernels.await_inputs).
 
 linear: y = x Wᵀ for W [N, K] (the checkpoint's layout, read once per step: decode is bound by this read).
   - FP8: W is float8e4m3 with one scale per output row; x is quantized in the prologue with the static per-tensor
     activation scale (x/s, saturated to ±448, round to nearest even): the FP8 engine's Q/DQ semantics.
   - GATED: two weights (gate, up) → silu(x Gᵀ) · (x Uᵀ), the MLP's first half in one pass.
   - RESIDUAL: out = res + bf16(y) (out may be res: the residual stream updated in place).
+  - SWAP: the weight rows on the MMA's M side (W·xᵀ per 16-row tile), so 64-row weight tiles use Hopper's wgmma.
 """
 
 import triton
 import triton.language as tl
 
-from higgs_trt.plugins.kernels import mma, to_fp8
+from higgs_trt.plugins.kernels import await_inputs, mma, to_fp8
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -33,12 +37,44 @@ def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, x_scale):
 
 
 @triton.jit
-def _w_tile(w, w_rows, k, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The Wᵀ tile [BLOCK_K, BLOCK_N] of rows w_rows (unmasked when K is a multiple of BLOCK_K)."""
-    if K % BLOCK_K == 0:
-        return tl.load(w + w_rows[None, :] * K + k[:, None])
+def _w_tile(w, w_rows, k, K: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
+    """The W tile [BLOCK_N, BLOCK_K] of rows w_rows (SWAP), else Wᵀ [BLOCK_K, BLOCK_N]; unmasked when K is a
+    multiple of BLOCK_K."""
+    if SWAP:
+        ptr, inside = w + w_rows[:, None] * K + k[None, :], k[None, :] < K
     else:
-        return tl.load(w + w_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)
+        ptr, inside = w + w_rows[None, :] * K + k[:, None], k[:, None] < K
+    if K % BLOCK_K == 0:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=inside, other=0.0)
+
+
+@triton.jit
+def _dot(x_tile, w_tile, acc, SWAP: tl.constexpr):
+    """acc + one 16-row x tile times the weight tile: [16, BLOCK_N] = x·Wᵀ, or with SWAP [BLOCK_N, 16] = W·xᵀ
+    (the weight rows on the MMA's M side, so BLOCK_N ≥ 64 can use Hopper's wgmma, which needs 64-row tiles)."""
+    if SWAP:
+        return mma(w_tile, tl.trans(x_tile), acc)
+    else:
+        return mma(x_tile, w_tile, acc)
+
+
+@triton.jit
+def _zeros(BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.zeros([BLOCK_N, 16], tl.float32)
+    else:
+        return tl.zeros([16, BLOCK_N], tl.float32)
+
+
+@triton.jit
+def _rows_first(acc, SWAP: tl.constexpr):
+    """The accumulator as [16 rows, BLOCK_N] for the epilogue."""
+    if SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
 
 
 @triton.jit
@@ -71,48 +107,53 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            M, x_scale,
            N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
            TILES: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-           OUT_F32: tl.constexpr):
-    """Grid (N / BLOCK_N, SPLIT_K). Rows are taken TILES·16 at a time (TILES ≤ 4); every row goes through the same
-    16-row dot, so results do not depend on M. SPLIT_K > 1 needs M ≤ TILES·16 (decode)."""
+           OUT_F32: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid (N / BLOCK_N, SPLIT_K, programs over M). Rows are taken TILES·16 at a time (TILES ≤ 4), chunk c by
+    program c mod the M programs; every row goes through the same 16-row dot, so results do not depend on M.
+    SPLIT_K > 1 needs M ≤ TILES·16 (decode)."""
+    await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r16 = tl.arange(0, 16)
     K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     w_rows = tl.where(n < N, n, 0)  # columns past N read row 0 and are never stored
-    for m0 in range(0, M, 16 * TILES):
-        a0 = tl.zeros([16, BLOCK_N], tl.float32)
-        a1 = tl.zeros([16, BLOCK_N], tl.float32)
-        a2 = tl.zeros([16, BLOCK_N], tl.float32)
-        a3 = tl.zeros([16, BLOCK_N], tl.float32)
-        u0 = tl.zeros([16, BLOCK_N], tl.float32)
-        u1 = tl.zeros([16, BLOCK_N], tl.float32)
-        u2 = tl.zeros([16, BLOCK_N], tl.float32)
-        u3 = tl.zeros([16, BLOCK_N], tl.float32)
+    for m0 in range(tl.program_id(2) * 16 * TILES, M, tl.num_programs(2) * 16 * TILES):
+        a0 = _zeros(BLOCK_N, SWAP)
+        a1 = _zeros(BLOCK_N, SWAP)
+        a2 = _zeros(BLOCK_N, SWAP)
+        a3 = _zeros(BLOCK_N, SWAP)
+        u0 = _zeros(BLOCK_N, SWAP)
+        u1 = _zeros(BLOCK_N, SWAP)
+        u2 = _zeros(BLOCK_N, SWAP)
+        u3 = _zeros(BLOCK_N, SWAP)
         for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, K), BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            wt = _w_tile(w, w_rows, k, K, BLOCK_K)
+            wt = _w_tile(w, w_rows, k, K, BLOCK_K, SWAP)
             if GATED:
-                ut = _w_tile(w_up, w_rows, k, K, BLOCK_K)
+                ut = _w_tile(w_up, w_rows, k, K, BLOCK_K, SWAP)
             x0 = _x_tile(x, m0 + r16, k, M, K, FP8, x_scale)
-            a0 = mma(x0, wt, a0)
+            a0 = _dot(x0, wt, a0, SWAP)
             if GATED:
-                u0 = mma(x0, ut, u0)
+                u0 = _dot(x0, ut, u0, SWAP)
             if TILES > 1:
                 x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, x_scale)
-                a1 = mma(x1, wt, a1)
+                a1 = _dot(x1, wt, a1, SWAP)
                 if GATED:
-                    u1 = mma(x1, ut, u1)
+                    u1 = _dot(x1, ut, u1, SWAP)
             if TILES > 2:
                 x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, x_scale)
-                a2 = mma(x2, wt, a2)
+                a2 = _dot(x2, wt, a2, SWAP)
                 if GATED:
-                    u2 = mma(x2, ut, u2)
+                    u2 = _dot(x2, ut, u2, SWAP)
             if TILES > 3:
                 x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, x_scale)
-                a3 = mma(x3, wt, a3)
+                a3 = _dot(x3, wt, a3, SWAP)
                 if GATED:
-                    u3 = mma(x3, ut, u3)
+                    u3 = _dot(x3, ut, u3, SWAP)
+        a0, a1, a2, a3 = _rows_first(a0, SWAP), _rows_first(a1, SWAP), _rows_first(a2, SWAP), _rows_first(a3, SWAP)
+        if GATED:
+            u0, u1, u2, u3 = _rows_first(u0, SWAP), _rows_first(u1, SWAP), _rows_first(u2, SWAP), _rows_first(u3, SWAP)
         if SPLIT_K == 1:
             if GATED:
                 a0 = _gated(a0, u0, n, w_scale, w_up_scale, x_scale, N, FP8)
@@ -179,8 +220,9 @@ def _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out
 
 
 @triton.jit
-def rms_norm(x, weight, out, eps, H: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm(x, weight, out, eps, H: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program per row: weight · bf16(x / rms(x)), statistics in fp32 (as the reference RMSNorm)."""
+    await_inputs(PDL)
     row = tl.program_id(0)
     h = tl.arange(0, BLOCK)
     inside = h < H
@@ -191,10 +233,12 @@ def rms_norm(x, weight, out, eps, H: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq, BLOCK: tl.constexpr):
+def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """After a step (or a prefill's first row): every active slot moves to its next row; its end frame takes what
     the step found. Positions saturate at the cache's last row, so a slot whose stop the host has not yet read
     keeps rewriting one row instead of running past the cache."""
+    await_inputs(PDL)
     b = tl.arange(0, BLOCK)
     inside = b < n
     on = tl.load(active + b, mask=inside, other=0) != 0

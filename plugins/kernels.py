@@ -24,6 +24,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Triton's interpreter (CI runs the kernels with TRITON_INTERPRET=1) multiplies bf16 and fp8 tiles as raw integers in
 # tl.dot, and its fp32 → fp8 cast loses a rounding that carries into the exponent (127.2 → 64, not 128). Under it,
@@ -36,11 +37,24 @@ NEG = tl.constexpr(-1.0e30)  # a running max that no real score is below, and ex
 
 @triton.jit
 def mma(a, b, acc):
-    """acc + a @ b on the tensor cores (fp32 accumulation)."""
+    """acc + a @ b on the tensor cores (fp32 accumulation). On Hopper, Triton lets FP8 wgmma sum a whole K loop in
+    the tensor core's reduced precision unless told otherwise; max_num_imprecise_acc=0 adds each instruction's sum
+    into the fp32 accumulator (H200: outputs off by up to 1e-2 at unit scale the other way; the exact sums cost a
+    B=64 FP8 step 8.9 ms instead of 6.7)."""
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc)
+        return tl.dot(a, b, acc, max_num_imprecise_acc=0)  # FP8 wgmma: sum each instruction's K into fp32
+
+
+@triton.jit
+def await_inputs(PDL: tl.constexpr):
+    """GPU path under programmatic dependent launch (Hopper on): this kernel may start while the previous one still
+    runs, so wait for its writes here, first; then let the next kernel launch its programs early (they wait in
+    turn). Every kernel launched that way must call this before it reads anything another kernel wrote."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -111,9 +125,10 @@ def rope_kv_write(q, k, v, cos, sin, write_pos, k_cache_in, v_cache_in,
 
 @triton.jit
 def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, q_out, k_cache, v_cache, seq, max_seq, eps,
-                          Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+                          Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (batch row, new position). qkv [B·S, (Hq + 2·Hkv)·D] is the fused projection's output;
     q_out [B·S, Hq·D] gets q normalised and rotated; k (normalised, rotated) and v go into the caches."""
+    await_inputs(PDL)
     bs = tl.program_id(0)
     b = bs // seq
     s = bs % seq
@@ -201,10 +216,11 @@ def decode_attention(q, k_cache, v_cache, write_pos,
 @triton.jit
 def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats, tickets, max_seq,
                      Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+                     BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
     """GPU path, one new row per batch row: q [B, Hq·D] → out [B, Hq·D]. Grid (B, Hkv, MAX_CHUNKS); program c reads
     keys [c·CHUNK, (c+1)·CHUNK) of the row's prefix 0..write_pos[b]. A prefix of several chunks is combined, in chunk
     order, by the program that finishes last (partials [B, Hq, MAX_CHUNKS, D], stats [B, Hq, MAX_CHUNKS, 2] fp32)."""
+    await_inputs(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     c = tl.program_id(2)
@@ -345,9 +361,10 @@ def delayed_codebook_step(logits, row_index, end_frame, table,
 def delayed_codebook_sample(logits, row_index, end_frame, table, temperature, top_k, top_p, seed,
                             codes, embedding, end_next,
                             K: tl.constexpr, VOCAB: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_V: tl.constexpr,
-                            BLOCK_H: tl.constexpr):
+                            BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """GPU path: greedy where temperature[b] is 0, else seeded sampling; the state (row, end, seed) lives on the
     device; end_next gets the end frame after this row (builder/gpu_kernels.advance_slots makes it current)."""
+    await_inputs(PDL)
     b = tl.program_id(0)
     _codebook_row(logits, b, tl.program_id(1), tl.load(row_index + b), tl.load(end_frame + b), table, temperature,
                   top_k, top_p, seed, codes, embedding, end_next, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, True, True)

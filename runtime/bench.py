@@ -26,8 +26,8 @@ class TimedEngine:
         self.times[kind].append(time.perf_counter() - t0)
         return out
 
-    def prefill(self, slot, prompt, sampling):
-        return self._timed("prefill", self.inner.prefill, slot, prompt, sampling)
+    def prefill(self, joins):
+        return self._timed("prefill", self.inner.prefill, joins)
 
     def step(self, n):
         return self._timed("step", self.inner.step, n)

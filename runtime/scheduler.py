@@ -2,7 +2,8 @@
 
 One loop, shared by every backend (the slot contract: runtime/stepper.py, builder/gpu_engine.py):
 
-  admit    queued requests take free slots: a prefill each (batch 1), which also chooses the request's row 0
+  admit    queued requests take free slots: one prefill call for all who join (the engine may batch them), which
+           also chooses each request's row 0
   step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot)
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
@@ -150,21 +151,28 @@ class Scheduler:
             return bool(self.queue) or any(r is not None for r in self.slots)
 
     def _admit(self) -> None:
-        while True:
-            with self.lock:
-                while self.queue and self.queue[0].cancelled:
-                    self._finish(self.queue.popleft())
-                free = next((s for s, r in enumerate(self.slots) if r is None), None)
-                if free is None or not self.queue:
-                    return
+        """Every queued request that finds a free slot joins now, in one prefill call (a failed call fails them
+        all: lengths were checked at submission, so it means the engine failed)."""
+        joins = []
+        with self.lock:
+            free = [s for s, r in enumerate(self.slots) if r is None]
+            while self.queue and len(joins) < len(free):
                 request = self.queue.popleft()
-            try:
-                self.engine.prefill(free, request.prompt, request.sampling)
-            except HiggsError as e:
+                if request.cancelled:
+                    self._finish(request)
+                else:
+                    joins.append((free[len(joins)], request))
+        if not joins:
+            return
+        try:
+            self.engine.prefill([(slot, r.prompt, r.sampling) for slot, r in joins])
+        except HiggsError as e:
+            for _, request in joins:
                 request.error = str(e)
                 self._finish(request)
-                continue
-            self.slots[free] = request
+            return
+        for slot, request in joins:
+            self.slots[slot] = request
 
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""

@@ -1,12 +1,13 @@
 """The slot contract over an engine graph that is called from the host (ONNX Runtime, TensorRT, the torch reference).
 
-The scheduler (runtime/scheduler.py) drives every backend through the same five calls: `prefill(slot, prompt,
-sampling)`, `step(n)`, `rows(keep)`, `release(slot)` and `codec(codes)`. The GPU engine (builder/gpu_engine.py) keeps
+The scheduler (runtime/scheduler.py) drives every backend through the same five calls: `prefill(joins)` (a list of
+(slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n)`, `rows(keep)`,
+`release(slot)` and `codec(codes)`. The GPU engine (builder/gpu_engine.py) keeps
 each slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
 
-where `slot=i` runs a batch-1 call on slot i's cache (a prefill) and `slot=None` runs the first B slots (a step).
+where `slot=i` runs a batch-1 call on slot i's cache (a prefill, one join at a time) and `slot=None` runs the first B slots (a step).
 Each row is chosen here by the shared rules: the graph's greedy codes, or runtime/sampling.py's seeded sampling
 under the delay mask; then the end frame (decoding.find_end) and the row fed back, masked with that end.
 """
@@ -35,7 +36,11 @@ class HostStepper:
         self.live = [False] * b
         self.out: list[tuple[int, np.ndarray]] = []
 
-    def prefill(self, slot: int, prompt: Prompt, sampling: Sampling) -> None:
+    def prefill(self, joins: list[tuple[int, Prompt, Sampling]]) -> None:
+        for slot, prompt, sampling in joins:
+            self._prefill(slot, prompt, sampling)
+
+    def _prefill(self, slot: int, prompt: Prompt, sampling: Sampling) -> None:
         logits, codes = self.backend.lm(prefill_feeds([prompt]), slot=slot)
         self.write_pos[slot], self.row[slot], self.end[slot] = len(prompt), 0, NO_END
         self.sampling[slot], self.live[slot] = sampling, True

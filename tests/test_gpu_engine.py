@@ -112,7 +112,7 @@ def teacher_forced(engine, prompt, rows):
     """The engine's logits for rows 0..len(rows): row r is fed to predict row r + 1 (decode state set on the device)."""
     from higgs_trt.runtime.decoding import NO_END, Sampling
 
-    engine.prefill(0, prompt, Sampling())
+    engine.prefill([(0, prompt, Sampling())])
     out = []
     with torch.cuda.stream(engine.stream):
         for r in range(len(rows) + 1):
@@ -204,3 +204,11 @@ def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature)
     assert np.array_equal(np.stack(solo.utterance.rows), np.stack(joined.utterance.rows))
     assert np.allclose(solo.audio(), joined.audio(), rtol=0, atol=1e-5)  # codec windows may share a call (cuDNN)
     assert all(r.finished for r in others)
+
+    together = Scheduler(engine)  # prefilled in one call with the others, from the middle of the group
+    group = [together.submit(request_for(engine, p, s, hard_cap=120))
+             for p, s in zip(ps[1:4] + ps[:1] + ps[4:], sampling[1:4] + sampling[:1] + sampling[4:])]
+    together.run()
+    assert np.array_equal(np.stack(solo.utterance.rows), np.stack(group[3].utterance.rows))
+    for request, other in zip(group[:3] + group[4:], others):  # and each of the others as when they joined together
+        assert np.array_equal(np.stack(request.utterance.rows), np.stack(other.utterance.rows))

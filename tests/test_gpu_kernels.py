@@ -32,7 +32,7 @@ def run(body: str) -> None:
 
 
 LINEAR = """
-def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k=32):
+def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k=32, swap=False):
     m, k = x.shape
     n = w.shape[0]
     amax = float(x.float().abs().max())
@@ -40,10 +40,10 @@ def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k
     (w8, ws), (u8, us) = (quantize_weight(w), quantize_weight(up if up is not None else w)) if fp8 else ((w, x), (up, x))
     out = residual.clone() if residual is not None else torch.full((m, n), float("nan")).bfloat16()
     partials, tickets = torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32)
-    gpu_kernels.linear[(-(-n // block_n), split)](
+    gpu_kernels.linear[(-(-n // block_n), split, -(-m // 64) if m > 64 else 1)](
         x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, N=n, K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split, TILES=min(4, -(-m // 16)), FP8=fp8, GATED=up is not None,
-        RESIDUAL=residual is not None, OUT_F32=False)
+        RESIDUAL=residual is not None, OUT_F32=False, SWAP=swap)
     assert not tickets.any()  # every split-K ticket counter is reset for the next launch
     # reference: the same quantisation, fp32 products and sums, the kernel's bf16 rounding points
     if fp8:
@@ -70,15 +70,17 @@ def close(out, ref, scale):
 
 def test_linear_matches_the_exact_gemm_in_every_mode():
     run(LINEAR + """
-for m, n, k, split, bn, bk in [(1, 48, 64, 1, 16, 32), (5, 40, 96, 2, 16, 32), (20, 64, 64, 4, 32, 16),
-                               (70, 32, 80, 1, 16, 32), (33, 24, 64, 1, 16, 32)]:
+for m, n, k, split, bn, bk, swap in [(1, 48, 64, 1, 16, 32, False), (5, 40, 96, 2, 16, 32, False),
+                                     (20, 64, 64, 4, 32, 16, False), (70, 32, 80, 1, 16, 32, False),
+                                     (33, 24, 64, 1, 16, 32, False), (1, 80, 64, 1, 64, 32, True),
+                                     (20, 64, 96, 2, 32, 32, True), (70, 72, 80, 1, 64, 16, True)]:
     x = torch.randn(m, k).bfloat16()
     w, up = (torch.randn(n, k) / k ** 0.5).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
     res = torch.randn(m, n).bfloat16()
     for fp8 in (False, True):
-        close(*linear(x, w, fp8=fp8, split=split, block_n=bn, block_k=bk))
-        close(*linear(x, w, fp8=fp8, residual=res, split=split, block_n=bn, block_k=bk))
-        close(*linear(x, w, up, fp8=fp8, split=split, block_n=bn, block_k=bk))
+        close(*linear(x, w, fp8=fp8, split=split, block_n=bn, block_k=bk, swap=swap))
+        close(*linear(x, w, fp8=fp8, residual=res, split=split, block_n=bn, block_k=bk, swap=swap))
+        close(*linear(x, w, up, fp8=fp8, split=split, block_n=bn, block_k=bk, swap=swap))
 """)
 
 
@@ -87,15 +89,15 @@ def test_linear_rows_do_not_depend_on_the_batch():
 k, n = 96, 48
 w = (torch.randn(n, k) / k ** 0.5).bfloat16()
 row = torch.randn(1, k).bfloat16()
-for fp8 in (False, True):
-    alone = linear(row, w, fp8=fp8, split=2)[0]
+for fp8, swap in ((False, False), (True, False), (False, True), (True, True)):
+    alone = linear(row, w, fp8=fp8, split=2, swap=swap)[0]
     for m, at in ((3, 2), (16, 9), (37, 20), (64, 63)):
         x = torch.randn(m, k).bfloat16()
         x[at] = row[0]
         # same static activation scale as alone (a per-tensor scale is a constant of the model, not of the batch)
         x = x.clamp(-float(row.float().abs().max()), float(row.float().abs().max()))
-        got = linear(x, w, fp8=fp8, split=2)[0][at]
-        assert torch.equal(got, alone[0]), (fp8, m)
+        got = linear(x, w, fp8=fp8, split=2, swap=swap)[0][at]
+        assert torch.equal(got, alone[0]), (fp8, swap, m)
 """)
 
 
@@ -239,4 +241,36 @@ assert end_next.tolist() == ends and ends[:3] == [3, 10, int(NO_END)]
 fed = delay_mask(want, row.numpy(), np.array(ends))
 exact = table.float()[torch.from_numpy(fed).long() + torch.arange(K) * V].sum(1)
 assert ((emb.float() - exact).abs() <= exact.abs().clamp(min=2 ** -20) * 2 ** -7).all()
+""")
+
+
+def test_engine_prefills_joins_together_as_each_alone(tiny_ckpt):
+    """The GPU engine's batched prefill (one call for every request joining) on the CPU: each slot's caches, first
+    codes and next input equal those of its prompt prefilled alone, whatever the order of the group."""
+    run(f"""
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.builder.gpu_engine import GpuEngine
+from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+from pathlib import Path
+
+ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
+tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+tok = HiggsTokenizer(Path({str(tiny_ckpt)!r}) / "tokenizer.json")
+ps = [build_prompt(tok, t) for t in ("Hello there.", "She sells sea shells by the sea shore, twice.", "Hi")]
+
+def prefilled(joins):
+    engine = GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False)
+    engine.prefill(joins)
+    return engine
+
+sampled = Sampling(temperature=1.0, top_k=20, seed=3)
+solo = [prefilled([(0, p, sampled if i == 1 else Sampling())]) for i, p in enumerate(ps)]
+together = prefilled([(2, ps[0], Sampling()), (0, ps[1], sampled), (1, ps[2], Sampling())])
+for alone, slot, p in zip(solo, (2, 0, 1), ps):
+    n = len(p)
+    assert torch.equal(alone.caches[:, :, 0, :, :n], together.caches[:, :, slot, :, :n])
+    assert torch.equal(alone.codes[0], together.codes[slot]) and torch.equal(alone.h[0], together.h[slot])
+    assert int(alone.write_pos[0]) == int(together.write_pos[slot]) == n
 """)
