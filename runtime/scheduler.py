@@ -2,8 +2,8 @@
 
 One loop, shared by every backend (the slot contract: runtime/stepper.py, builder/gpu_engine.py):
 
-  admit    queued requests take free slots: one prefill call for all who join (the engine may batch them), which
-           also chooses each request's row 0
+  admit    queued requests take free slots: one prefill call for those who join (the engine may batch them; while
+           others decode, at most prefill_rows prompt rows a step), which also chooses each request's row 0
   step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot)
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
@@ -72,11 +72,16 @@ def request_for(engine, prompt: Prompt, sampling: Sampling, hard_cap: int = HARD
     return Request(prompt, sampling, min(row_cap(prompt.text_chars, hard_cap), room), **callbacks)
 
 
+PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (H200: ≈ 6 prompts in ≈ 20 ms)
+
+
 class Scheduler:
-    def __init__(self, engine, plan: StreamPlan | None = None, max_queue: int = 1024):
+    def __init__(self, engine, plan: StreamPlan | None = None, max_queue: int = 1024,
+                 prefill_rows: int = PREFILL_ROWS):
         self.engine = engine
         self.plan = plan or StreamPlan.exact(engine.codec_strides)
         self.max_queue = max_queue
+        self.prefill_rows = prefill_rows
         self.slots: list[Request | None] = [None] * engine.max_batch
         self.queue: deque[Request] = deque()
         self.lock = threading.Lock()
@@ -151,17 +156,24 @@ class Scheduler:
             return bool(self.queue) or any(r is not None for r in self.slots)
 
     def _admit(self) -> None:
-        """Every queued request that finds a free slot joins now, in one prefill call (a failed call fails them
-        all: lengths were checked at submission, so it means the engine failed)."""
+        """Queued requests take free slots, in one prefill call (a failed call fails them all: lengths were checked
+        at submission, so it means the engine failed). While other requests decode, one call takes at most
+        prefill_rows prompt rows (and at least one prompt): a burst of joins then pauses the streams already
+        playing for one bounded prefill per step, not for all of them at once."""
         joins = []
         with self.lock:
             free = [s for s, r in enumerate(self.slots) if r is None]
+            budget = self.prefill_rows if len(free) < len(self.slots) else None
+            rows = 0
             while self.queue and len(joins) < len(free):
-                request = self.queue.popleft()
+                request = self.queue[0]
                 if request.cancelled:
-                    self._finish(request)
-                else:
-                    joins.append((free[len(joins)], request))
+                    self._finish(self.queue.popleft())
+                    continue
+                if joins and budget is not None and rows + len(request.prompt) > budget:
+                    break
+                joins.append((free[len(joins)], self.queue.popleft()))
+                rows += len(request.prompt)
         if not joins:
             return
         try:

@@ -60,6 +60,29 @@ def test_cancellation_frees_the_slot_within_one_step(engine, prompts):
     assert not queued.step() and waiting.finished
 
 
+def test_joins_come_in_one_prefill_call_bounded_while_others_decode(engine, prompts):
+    calls = []
+
+    class Recording:  # the engine, noting each prefill call's joins
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def prefill(self, joins):
+            calls.append([len(prompt) for _, prompt, _ in joins])
+            return engine.prefill(joins)
+
+    budget = len(prompts[0]) + len(prompts[1])
+    scheduler = Scheduler(Recording(), prefill_rows=budget)
+    first = [scheduler.submit(request_for(engine, p, Sampling(), hard_cap=40)) for p in prompts[:2]]
+    scheduler.step()
+    assert calls == [[len(p) for p in prompts[:2]]]  # nothing decoding: every join at once
+    later = [scheduler.submit(request_for(engine, p, Sampling(), hard_cap=40)) for p in prompts[1:3]]
+    scheduler.run()
+    assert all(sum(c) <= budget or len(c) == 1 for c in calls[1:]) and sum(map(len, calls)) == 4, calls
+    assert len(calls) == 3  # the two later joins exceed the budget together, so they join on two steps
+    assert all(r.finished for r in first + later)
+
+
 def test_the_admission_queue_is_bounded(engine, prompts):
     scheduler = Scheduler(engine, max_queue=2)
     for _ in range(2):
