@@ -78,7 +78,11 @@ class OrtBackend:
         return logits.numpy(), codes.numpy()
 
     def codec(self, codes: np.ndarray) -> np.ndarray:
-        return self.codec_session.run(None, {"codes": codes.astype(np.int32)})[0]
+        """Windows [N, 8, T] → audio [N, 1, 960·T], one window per session run: ONNX Runtime's CPU convolutions
+        round differently (~1e-7) by batch size, and one at a time each window's audio is bit-exact whatever else
+        the scheduler decodes with it (a request's audio equals its solo run; the GPU engines batch the windows)."""
+        codes = codes.astype(np.int32)
+        return np.concatenate([self.codec_session.run(None, {"codes": window[None]})[0] for window in codes])
 
 
 class OrtEncoder:

@@ -15,12 +15,12 @@ import sys
 
 import pytest
 
-from higgs_trt.builder.compare import check_cache_binding
-from higgs_trt.runtime.errors import HiggsError
-
-pytest.importorskip("polygraphy")
+pytest.importorskip("polygraphy")  # before compare's import, which needs it (the GPU host has no Polygraphy)
 if os.environ.get("HIGGS_REQUIRE_RTX") != "1":
     pytest.importorskip("tensorrt_rtx_bindings")
+
+from higgs_trt.builder.compare import check_cache_binding  # noqa: E402
+from higgs_trt.runtime.errors import HiggsError  # noqa: E402
 
 SCRIPT = r'''
 import json, os, sys
