@@ -46,30 +46,22 @@ class PcmSink:
         pass
 
 
-class WavSink:
+class WavSink(PcmSink):
     """A wav file written as it grows, under a temporary name until `close()` renames it into place."""
 
     def __init__(self, path: Path, inputs=()):
         self.path, self.inputs = Path(path), inputs
         _, self.tmp = partial_file(self.path, inputs)
-        self.file = open(self.tmp, "wb")
-        self.file.write(wav_header(0))
-        self.samples, self.clipped = 0, 0
-
-    def write(self, chunk: np.ndarray) -> None:
-        data, clipped = pcm16(chunk)
-        self.file.write(data)
-        self.file.flush()
-        self.samples += len(chunk)
-        self.clipped += clipped
+        super().__init__(open(self.tmp, "wb"))
+        self.stream.write(wav_header(0))
 
     def close(self) -> None:
-        self.file.seek(0)
-        self.file.write(wav_header(2 * self.samples))
-        self.file.close()
+        self.stream.seek(0)
+        self.stream.write(wav_header(2 * self.samples))
+        self.stream.close()
         commit(self.tmp, self.path, self.inputs)
 
     def abort(self) -> None:
-        if not self.file.closed:
-            self.file.close()
+        if not self.stream.closed:
+            self.stream.close()
         self.tmp.unlink(missing_ok=True)
