@@ -111,19 +111,24 @@ class Quantizer(nn.Module):
         self.project_out = nn.Linear(dims.codebook_dim, dims.latent_dim)
 
 
-class AcousticDecoder(nn.Module):
-    def __init__(self, dims: CodecDims):
-        super().__init__()
-        self.conv1 = nn.Conv1d(dims.acoustic_dim, dims.channels[0], kernel_size=7, padding=3)
-        self.block = nn.ModuleList(DecoderBlock(dims.channels[i], dims.channels[i + 1], s) for i, s in enumerate(dims.strides))
-        self.snake1 = Snake(dims.channels[-1])
-        self.conv2 = nn.Conv1d(dims.channels[-1], 1, kernel_size=7, padding=3)
+class BlockStack(nn.Module):
+    """DAC's outer shape, shared by the decoder and the encoder (builder/codec_encoder.py), under the checkpoint's
+    names: conv1 → block[0..] → snake1 → conv2."""
 
     def forward(self, x):
         x = self.conv1(x)
         for block in self.block:
             x = block(x)
         return self.conv2(self.snake1(x))
+
+
+class AcousticDecoder(BlockStack):
+    def __init__(self, dims: CodecDims):
+        super().__init__()
+        self.conv1 = nn.Conv1d(dims.acoustic_dim, dims.channels[0], kernel_size=7, padding=3)
+        self.block = nn.ModuleList(DecoderBlock(dims.channels[i], dims.channels[i + 1], s) for i, s in enumerate(dims.strides))
+        self.snake1 = Snake(dims.channels[-1])
+        self.conv2 = nn.Conv1d(dims.channels[-1], 1, kernel_size=7, padding=3)
 
 
 class CodecDecoder(nn.Module):

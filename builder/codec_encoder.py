@@ -30,7 +30,7 @@ from higgs_trt.runtime.audio import SEMANTIC_PAD, SEMANTIC_RATE, SAMPLE_RATE, ac
 from higgs_trt.runtime.errors import HiggsError
 
 from .checkpoint import Checkpoint
-from .codec import DILATIONS, PREFIX, Codebook, ResidualUnit, Snake
+from .codec import DILATIONS, PREFIX, BlockStack, Codebook, ResidualUnit, Snake
 
 HUBERT_CONV = ((10, 5), (3, 2), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2))  # (kernel, stride) of HuBERT's feature encoder
 HEAD_DIM = 64  # HuBERT base and large
@@ -177,7 +177,7 @@ class EncoderBlock(nn.Module):
         return self.conv1(self.snake1(self.res_unit3(self.res_unit2(self.res_unit1(x)))))
 
 
-class AcousticEncoder(nn.Module):
+class AcousticEncoder(BlockStack):
     def __init__(self, dims: EncoderDims):
         super().__init__()
         c = dims.acoustic_channels
@@ -185,12 +185,6 @@ class AcousticEncoder(nn.Module):
         self.block = nn.ModuleList(EncoderBlock(c[i], c[i + 1], s) for i, s in enumerate(dims.acoustic_strides))
         self.snake1 = Snake(c[-1])
         self.conv2 = nn.Conv1d(c[-1], dims.acoustic_dim, kernel_size=3, padding=1)
-
-    def forward(self, x):
-        x = self.conv1(x)
-        for block in self.block:
-            x = block(x)
-        return self.conv2(self.snake1(x))
 
 
 # ---- semantic branch: HuBERT + semantic encoder ----------------------------------------------------------------
