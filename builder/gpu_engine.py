@@ -211,7 +211,6 @@ class GpuEngine:
         if pdl is None:  # Hopper on (griddepcontrol); launched without it, the kernels' waits are no-ops
             pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
         self.workspace = Workspace(n_max, max_batch, hq, hkv, d, max_seq, dev, pdl)
-        self.pdl = pdl
 
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -260,6 +259,10 @@ class GpuEngine:
         h = self.cfg.hidden_size
         gpu_kernels.rms_norm[(rows,)](src, weight, out, self.cfg.rms_norm_eps, H=h, BLOCK=1 << (h - 1).bit_length(),
                                       **self._launch())
+
+    @property
+    def pdl(self) -> bool:
+        return self.workspace.pdl
 
     def _launch(self) -> dict:
         return dict(PDL=self.pdl, launch_pdl=self.pdl)
