@@ -1,17 +1,15 @@
 """Voice cloning from reference audio: the codec encoder against transformers' HiggsAudioV2TokenizerModel.encode,
 ONNX Runtime against torch, the audio reader's checks, the CLI, the cache."""
 
-import importlib
-import importlib.machinery
 import math
-import sys
-import types
 import wave
 
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+
+from hf_codec import hf_codec_class
 
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.codec_encoder import PREFIX, CodecEncoder
@@ -46,15 +44,6 @@ def torchaudio_like(x: torch.Tensor, orig: int, new: int) -> torch.Tensor:
 RESAMPLE = Resampler()
 
 
-def hf_codec_class():
-    if importlib.util.find_spec("torchaudio") is None:
-        stub = sys.modules.setdefault("torchaudio", types.ModuleType("torchaudio"))  # tests/test_oracles.py may have one
-        stub.__spec__ = stub.__spec__ or importlib.machinery.ModuleSpec("torchaudio", None)
-        stub.functional = types.SimpleNamespace(resample=RESAMPLE)
-    module = importlib.import_module("transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer")
-    return module.HiggsAudioV2TokenizerModel
-
-
 @pytest.fixture(scope="module")
 def ckpt(tiny_ckpt):
     return Checkpoint(tiny_ckpt)
@@ -77,7 +66,7 @@ def oracle(ckpt, ours):
                                "conv_dim": list(d.conv_dim), "num_conv_pos_embeddings": d.pos_kernel,
                                "num_conv_pos_embedding_groups": d.pos_groups},
         codebook_dim=d.codebook_dim, codebook_size=d.codebook_size, target_bandwidths=[0.5, 1, 1.5, 2])
-    model = hf_codec_class()(cfg).eval()
+    model = hf_codec_class(RESAMPLE)(cfg).eval()
     encode_side = [k for k in model.state_dict() if not k.startswith(("acoustic_decoder.", "decoder_semantic.", "fc1.", "fc2."))]
     missing = [k for k in encode_side if PREFIX + k not in ckpt]
     assert not missing, missing  # every tensor the oracle's encoder has, under the checkpoint's own names

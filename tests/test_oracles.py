@@ -1,12 +1,9 @@
 """Parity against implementations nobody here wrote: transformers' Qwen3 and HiggsAudioV2TokenizerModel."""
 
-import importlib
-import importlib.machinery
-import sys
-import types
-
 import pytest
 import torch
+
+from hf_codec import hf_codec_class
 
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.codec import PREFIX, CodecDecoder
@@ -68,17 +65,6 @@ def test_backbone_matches_transformers_qwen3_prefill_and_decode(ckpt):
             assert (h - out.last_hidden_state).abs().max() < 1e-5, t
             steps.append(h)
         assert (torch.cat(steps, 1) - ref).abs().max() < 1e-5
-
-
-def hf_codec_class():
-    """transformers' codec module imports torchaudio at import time, but only encode() uses it; the PyPI
-    torchaudio wheels do not load beside a CPU torch, so an empty stand-in module satisfies the import."""
-    if importlib.util.find_spec("torchaudio") is None:
-        stub = types.ModuleType("torchaudio")
-        stub.__spec__ = importlib.machinery.ModuleSpec("torchaudio", None)
-        sys.modules.setdefault("torchaudio", stub)
-    module = importlib.import_module("transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer")
-    return module.HiggsAudioV2TokenizerModel
 
 
 def test_codec_matches_transformers_higgs_audio_v2_tokenizer(ckpt):
