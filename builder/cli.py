@@ -64,12 +64,15 @@ def bench_kernels():
 
 @click.command("linear")
 @click.option("--budget", type=float, default=300.0, show_default=True, help="Seconds to spend trying tile shapes.")
-def bench_linear(budget):
+@click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True,
+              help="Which weights' tile shapes to time (the audio head is bf16 in both).")
+def bench_linear(budget, precision):
     """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1, 16, 64 (needs a GPU)."""
     with extras.needed("gpu", "bench linear"):
         from higgs_trt.builder.config import HiggsConfig
         from higgs_trt.builder.gpu_bench import sweep_linear
-    sweep_linear(HiggsConfig(2560, 36, 32, 8, 128, 9728, 151936, 1e-6, 1e6, 32768), budget, say=click.echo)
+    fp8_options = {"bf16": (False,), "fp8": (True,), "both": (False, True)}[precision]
+    sweep_linear(HiggsConfig(2560, 36, 32, 8, 128, 9728, 151936, 1e-6, 1e6, 32768), budget, fp8_options, say=click.echo)
 
 
 @click.command("export")

@@ -96,7 +96,7 @@ def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: in
     return graph_ms(run) / len(copies)
 
 
-def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, say=print) -> dict:
+def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, True), say=print) -> dict:
     """Per weight shape and precision: every candidate at M=1, the best few again at M=16 and 64; the winner
     (least M=1 + M=64 time) goes into TUNED for the rest of this process. Stops trying new shapes at the budget."""
     t_end = time.perf_counter() + budget_s
@@ -105,7 +105,7 @@ def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, say=print) -> dict:
     best = {}
     order = ("gate_up", "down", "qkv", "o", "head")  # largest share of the step first
     for name, (n, k, gated) in sorted(shapes(cfg).items(), key=lambda kv: order.index(kv[0])):
-        for fp8 in ((False,) if name == "head" else (False, True)):
+        for fp8 in (f for f in fp8_options if not (f and name == "head")):  # the head is bf16 in both precisions
             if time.perf_counter() > t_end:
                 say(f"  {name} {'fp8' if fp8 else 'bf16'}: skipped (time budget)")
                 continue

@@ -51,13 +51,13 @@ def _w_tile(w, w_rows, k, K: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.const
 
 
 @triton.jit
-def _dot(x_tile, w_tile, acc, SWAP: tl.constexpr):
+def _dot(x_tile, w_tile, acc, SWAP: tl.constexpr, FP8_SPAN: tl.constexpr):
     """acc + one 16-row x tile times the weight tile: [16, BLOCK_N] = x·Wᵀ, or with SWAP [BLOCK_N, 16] = W·xᵀ
     (the weight rows on the MMA's M side, so BLOCK_N ≥ 64 can use Hopper's wgmma, which needs 64-row tiles)."""
     if SWAP:
-        return mma(w_tile, tl.trans(x_tile), acc)
+        return mma(w_tile, tl.trans(x_tile), acc, FP8_SPAN)
     else:
-        return mma(x_tile, w_tile, acc)
+        return mma(x_tile, w_tile, acc, FP8_SPAN)
 
 
 @triton.jit
@@ -107,10 +107,10 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            M, x_scale,
            N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
            TILES: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-           OUT_F32: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
+           OUT_F32: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False, FP8_SPAN: tl.constexpr = 0):
     """Grid (N / BLOCK_N, SPLIT_K, programs over M). Rows are taken TILES·16 at a time (TILES ≤ 4), chunk c by
     program c mod the M programs; every row goes through the same 16-row dot, so results do not depend on M.
-    SPLIT_K > 1 needs M ≤ TILES·16 (decode)."""
+    SPLIT_K > 1 needs M ≤ TILES·16 (decode). FP8_SPAN: see plugins/kernels.mma."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -133,24 +133,24 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
             if GATED:
                 ut = _w_tile(w_up, w_rows, k, K, BLOCK_K, SWAP)
             x0 = _x_tile(x, m0 + r16, k, M, K, FP8, x_scale)
-            a0 = _dot(x0, wt, a0, SWAP)
+            a0 = _dot(x0, wt, a0, SWAP, FP8_SPAN)
             if GATED:
-                u0 = _dot(x0, ut, u0, SWAP)
+                u0 = _dot(x0, ut, u0, SWAP, FP8_SPAN)
             if TILES > 1:
                 x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, x_scale)
-                a1 = _dot(x1, wt, a1, SWAP)
+                a1 = _dot(x1, wt, a1, SWAP, FP8_SPAN)
                 if GATED:
-                    u1 = _dot(x1, ut, u1, SWAP)
+                    u1 = _dot(x1, ut, u1, SWAP, FP8_SPAN)
             if TILES > 2:
                 x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, x_scale)
-                a2 = _dot(x2, wt, a2, SWAP)
+                a2 = _dot(x2, wt, a2, SWAP, FP8_SPAN)
                 if GATED:
-                    u2 = _dot(x2, ut, u2, SWAP)
+                    u2 = _dot(x2, ut, u2, SWAP, FP8_SPAN)
             if TILES > 3:
                 x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, x_scale)
-                a3 = _dot(x3, wt, a3, SWAP)
+                a3 = _dot(x3, wt, a3, SWAP, FP8_SPAN)
                 if GATED:
-                    u3 = _dot(x3, ut, u3, SWAP)
+                    u3 = _dot(x3, ut, u3, SWAP, FP8_SPAN)
         a0, a1, a2, a3 = _rows_first(a0, SWAP), _rows_first(a1, SWAP), _rows_first(a2, SWAP), _rows_first(a3, SWAP)
         if GATED:
             u0, u1, u2, u3 = _rows_first(u0, SWAP), _rows_first(u1, SWAP), _rows_first(u2, SWAP), _rows_first(u3, SWAP)
@@ -174,22 +174,23 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
 
 
 @triton.jit
-def _store_partial(part, r16, n, cols, a0, a1, a2, a3, N: tl.constexpr, TILES: tl.constexpr):
-    tl.store(part + r16[:, None] * N + n[None, :], a0, mask=cols)
+def _store_partial(part, r16, n, cols, M, a0, a1, a2, a3, N: tl.constexpr, TILES: tl.constexpr):
+    """Rows below M only: at M=1 a 16-row tile would otherwise write (and its reducer read) 16× the partial bytes."""
+    tl.store(part + r16[:, None] * N + n[None, :], a0, mask=cols & (r16[:, None] < M))
     if TILES > 1:
-        tl.store(part + (16 + r16)[:, None] * N + n[None, :], a1, mask=cols)
+        tl.store(part + (16 + r16)[:, None] * N + n[None, :], a1, mask=cols & ((16 + r16)[:, None] < M))
     if TILES > 2:
-        tl.store(part + (32 + r16)[:, None] * N + n[None, :], a2, mask=cols)
+        tl.store(part + (32 + r16)[:, None] * N + n[None, :], a2, mask=cols & ((32 + r16)[:, None] < M))
     if TILES > 3:
-        tl.store(part + (48 + r16)[:, None] * N + n[None, :], a3, mask=cols)
+        tl.store(part + (48 + r16)[:, None] * N + n[None, :], a3, mask=cols & ((48 + r16)[:, None] < M))
 
 
 @triton.jit
-def _sum_partials(partials, rows, n, cols, N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
+def _sum_partials(partials, rows, n, real, N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Σ over splits in split order (L2 reads: the other programs' partials are not in this SM's L1)."""
-    y = tl.load(partials + rows[:, None] * N + n[None, :], mask=cols, other=0.0, cache_modifier=".cg")
+    y = tl.load(partials + rows[:, None] * N + n[None, :], mask=real, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT_K):
-        y += tl.load(partials + s * ROWS * N + rows[:, None] * N + n[None, :], mask=cols, other=0.0,
+        y += tl.load(partials + s * ROWS * N + rows[:, None] * N + n[None, :], mask=real, other=0.0,
                      cache_modifier=".cg")
     return y
 
@@ -202,18 +203,19 @@ def _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out
     finish sums them in split order and applies the epilogue."""
     ROWS: tl.constexpr = 16 * TILES
     cols = n[None, :] < N
-    _store_partial(partials + pid_k * ROWS * N, r16, n, cols, a0, a1, a2, a3, N, TILES)
+    _store_partial(partials + pid_k * ROWS * N, r16, n, cols, M, a0, a1, a2, a3, N, TILES)
     if GATED:
-        _store_partial(partials + (SPLIT_K + pid_k) * ROWS * N, r16, n, cols, u0, u1, u2, u3, N, TILES)
+        _store_partial(partials + (SPLIT_K + pid_k) * ROWS * N, r16, n, cols, M, u0, u1, u2, u3, N, TILES)
     tl.debug_barrier()  # every thread's partial is written before the ticket is taken (release below)
     ticket = tl.atomic_add(tickets + pid_n, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLIT_K - 1:
         tl.debug_barrier()
         for t in tl.static_range(TILES):
             rows = 16 * t + r16
-            y = _sum_partials(partials, rows, n, cols, N, ROWS, SPLIT_K)
+            real = cols & (rows[:, None] < M)
+            y = _sum_partials(partials, rows, n, real, N, ROWS, SPLIT_K)
             if GATED:
-                u = _sum_partials(partials + SPLIT_K * ROWS * N, rows, n, cols, N, ROWS, SPLIT_K)
+                u = _sum_partials(partials + SPLIT_K * ROWS * N, rows, n, real, N, ROWS, SPLIT_K)
                 y = _gated(y, u, n, w_scale, w_up_scale, x_scale, N, FP8)
             _finish(y, rows, n, M, out, res, w_scale, x_scale, N, FP8 and not GATED, RESIDUAL, OUT_F32)
         tl.atomic_xchg(tickets + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch

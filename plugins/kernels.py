@@ -36,15 +36,16 @@ NEG = tl.constexpr(-1.0e30)  # a running max that no real score is below, and ex
 
 
 @triton.jit
-def mma(a, b, acc):
-    """acc + a @ b on the tensor cores (fp32 accumulation). On Hopper, Triton lets FP8 wgmma sum a whole K loop in
-    the tensor core's reduced precision unless told otherwise; max_num_imprecise_acc=0 adds each instruction's sum
-    into the fp32 accumulator (H200: outputs off by up to 1e-2 at unit scale the other way; the exact sums cost a
-    B=64 FP8 step 8.9 ms instead of 6.7)."""
+def mma(a, b, acc, FP8_SPAN: tl.constexpr = 0):
+    """acc + a @ b on the tensor cores (fp32 accumulation). FP8_SPAN (FP8 operands only): how many products Hopper's
+    FP8 wgmma may sum in the tensor core's reduced precision before the sum is added into the fp32 accumulator.
+    0: Triton does not use FP8 wgmma at all; it widens the operands to f16 and multiplies with mma.sync (exact
+    products, fp32 sums). 32: one wgmma instruction's K, each instruction's sum added into fp32. Triton's own
+    default on Hopper sums a whole K loop in reduced precision (H200: outputs off by up to 1e-2 at unit scale)."""
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=0)  # FP8 wgmma: sum each instruction's K into fp32
+        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_SPAN)
 
 
 @triton.jit

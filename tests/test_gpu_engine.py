@@ -47,7 +47,10 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
     ref = exact_linear(x[:64], lin)
     err = (outs[64].float() - ref).abs()
     rounding = 2 ** -6 if gated else 2 ** -7  # half an ulp per bf16 rounding: one, or four when gated
-    assert (err <= ref.abs() * rounding + 1e-3).all(), float(err.max())
+    # FP8 wgmma sums each instruction's 32 products in the tensor core's reduced precision (gpu_engine.FP8_SPAN):
+    # H200, these operands: up to 1.7e-3 beyond the roundings at outputs of about unit size
+    slack = 4e-3 if fp8 else 1e-3
+    assert (err <= ref.abs() * rounding + slack).all(), float(err.max())
     for m, out in outs.items():  # row 0 is the same whatever else is in the batch
         assert torch.equal(out[0], outs[1][0]), m
     assert not ws.tickets.any()
