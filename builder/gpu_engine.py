@@ -17,7 +17,9 @@ invariant (builder/gpu_kernels.py), so a request's codes do not depend on what e
 
 FP8 (--precision fp8): per-output-channel FP8 weights and the calibration's static per-tensor activation scales, the
 quantisation of the FP8 engine (calibration/qdq.py), executed by the linear kernel's FP8 path (not torch._scaled_mm,
-which is slower than BF16 at decode sizes: ../shared/docs/gpu-measurements.md). The audio table stays bf16.
+which is slower than BF16 at decode sizes: ../shared/docs/gpu-measurements.md). Activations are quantized once, by
+the kernel that produces them (the norms, gate|up; o quantizes attention's output itself). The audio table stays
+bf16.
 
 Prefill takes the requests that join together: their rows go through the same linear kernel at once, with K never
 split, so a row's numbers never depend on the other requests; SDPA's causal attention runs per prompt.
@@ -43,6 +45,7 @@ from .config import HiggsConfig
 from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured one-prompt prefills
 ATTENTION_CHUNK = 256  # keys per decode-attention program; a row's split depends only on its own length
 ATTENTION_BLOCK = 64
 SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for the compiler's own
@@ -50,6 +53,7 @@ SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for 
 # 32, each instruction's K. 0 would keep every sum in fp32 but makes Triton multiply FP8 as f16 with mma.sync,
 # which measured 9.1 against 7.5 ms for a B=64 FP8 step on the H200.
 FP8_SPAN = 32
+FP8_CODES = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,11 @@ class Linear:
         return w8.contiguous(), scale.to(w.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, m: int, workspace: "Workspace",
-                 residual: bool = False, tiles: TileConfig | None = None, whole_k: bool = False) -> None:
+                 residual: bool = False, tiles: TileConfig | None = None, whole_k: bool = False,
+                 out_scale: float = 1.0) -> None:
         """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...). whole_k: one K order for any m
-        (prefill; a decode step's m ≤ 64 splits K for parallelism)."""
+        (prefill; a decode step's m ≤ 64 splits K for parallelism). An FP8 x holds codes at this linear's activation
+        scale; an FP8 out gets codes at out_scale."""
         t = tiles or self.tiles
         split = t.split_k if m <= 64 and not whole_k else 1
         rows = 16 * min(4, -(-m // 16))
@@ -123,11 +129,11 @@ class Linear:
         gpu_kernels.linear[grid](
             x, self.weight, self.up if self.up is not None else self.weight,
             self.scale if self.fp8 else x, self.up_scale if self.up_scale is not None else x,
-            out, out, workspace.partials, workspace.tickets, m, self.x_scale,
+            out, out, workspace.partials, workspace.tickets, m, self.x_scale, out_scale,
             N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split, TILES=rows // 16,
             FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
-            SWAP=t.swap, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0,
-            launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages)
+            SWAP=t.swap, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0, X_FP8=x.dtype == FP8_CODES,
+            OUT_FP8=out.dtype == FP8_CODES, launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages)
 
 
 class Workspace:
@@ -194,11 +200,13 @@ class GpuEngine:
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
         self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here
-        self.x = torch.zeros(rows, h, **bf16)
+        self.x = torch.zeros(rows, h, **bf16)  # normed rows for bf16 linears and the head
+        fp8 = self.precision == "fp8"  # FP8: the norms give q|k|v and gate|up codes, gate|up gives down codes
+        self.x8 = torch.zeros(rows, h, dtype=FP8_CODES, device=dev) if fp8 else None
         self.qkv_out = torch.zeros(rows, (hq + 2 * hkv) * d, **bf16)
         self.q = torch.zeros(rows, hq * d, **bf16)
         self.attn = torch.zeros(rows, hq * d, **bf16)
-        self.act = torch.zeros(rows, cfg.intermediate_size, **bf16)
+        self.act = torch.zeros(rows, cfg.intermediate_size, dtype=FP8_CODES if fp8 else torch.bfloat16, device=dev)
         self.logits = torch.zeros(max_batch, cfg.audio_table_rows, dtype=torch.float32, device=dev)
         self.codes = torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, device=dev)
         self.end_next = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -212,6 +220,7 @@ class GpuEngine:
         self.top_k = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(max_batch, **i64)
+        self.write_pos_zero = torch.zeros(1, **i64)  # a prefill's rope starts at position 0
         n_max = max(lin.n for lin in (self.layers[0].qkv, self.layers[0].gate_up, self.head))
         if pdl is None:  # Hopper on (griddepcontrol); launched without it, the kernels' waits are no-ops
             pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
@@ -230,6 +239,15 @@ class GpuEngine:
         self.codec_seconds: list[float] = []
         self.parity = 0
         self.graphs: dict = {}
+        # one prompt alone prefills from a graph of its length bucket: its rows padded with text token 0 after the
+        # prompt (causal attention keeps them out of the prompt's rows), caches staged, then copied into its slot
+        self.prompt_buckets = sorted({min(b, max_prompt) for b in PROMPT_BUCKETS})
+        longest = self.prompt_buckets[-1]
+        self.prompt_in = torch.zeros(longest + 1, 2 + NUM_CODEBOOKS, dtype=torch.int64, device=dev)
+        self.host_prompt = torch.zeros(self.prompt_in.shape, dtype=torch.int64, pin_memory=pinned)
+        self.prompt_copied = torch.cuda.Event() if pinned else None
+        self.prompt_h = torch.zeros(longest, h, **bf16)
+        self.stage = torch.zeros(cfg.num_layers, 2, 1, hkv, longest, d, **bf16)
         if graphs and dev.type == "cuda":
             self._capture_all()
 
@@ -239,9 +257,9 @@ class GpuEngine:
         """Every kernel of one decode step for slots [0, n): the work a graph replays."""
         cfg, ws = self.cfg, self.workspace
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h, x = self.h[:n], self.x[:n]
+        h = self.h[:n]
         for i, layer in enumerate(self.layers):
-            self._norm(h, layer.input_norm, x, n)
+            x = self._norm(h, layer.input_norm, n, layer.qkv)
             layer.qkv(x, self.qkv_out, n, ws)
             k_cache, v_cache = self.caches[i, 0], self.caches[i, 1]
             plugin_kernels.qk_norm_rope_kv_write[(n,)](
@@ -252,18 +270,23 @@ class GpuEngine:
                 self.max_seq, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
                 MAX_CHUNKS=ws.chunks, **self._launch())
             layer.o(self.attn, h, n, ws, residual=True)
-            self._norm(h, layer.post_norm, x, n)
-            layer.gate_up(x, self.act, n, ws)
+            x = self._norm(h, layer.post_norm, n, layer.gate_up)
+            layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)
             layer.down(self.act, h, n, ws, residual=True)
-        self._norm(h, self.final_norm, x, n)
+        x = self._norm(h, self.final_norm, n)
         self.head(x, self.logits, n, ws)
         self._choose(n, self.logits, self.h, self.codes)
         self._advance(0, n)
 
-    def _norm(self, src: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+    def _norm(self, src: torch.Tensor, weight: torch.Tensor, rows: int, into: Linear | None = None) -> torch.Tensor:
+        """rms_norm of src[:rows] as the input of `into`: FP8 codes at its activation scale when it is an FP8
+        linear (quantized once here instead of in every program of the GEMM), else bf16."""
+        fp8 = into is not None and into.fp8
+        out = (self.x8 if fp8 else self.x)[:rows]
         h = self.cfg.hidden_size
-        gpu_kernels.rms_norm[(rows,)](src, weight, out, self.cfg.rms_norm_eps, H=h, BLOCK=1 << (h - 1).bit_length(),
-                                      **self._launch())
+        gpu_kernels.rms_norm[(rows,)](src, weight, out, self.cfg.rms_norm_eps, into.x_scale if fp8 else 1.0, H=h,
+                                      BLOCK=1 << (h - 1).bit_length(), OUT_FP8=fp8, **self._launch())
+        return out
 
     @property
     def pdl(self) -> bool:
@@ -306,6 +329,12 @@ class GpuEngine:
                         self._decode(n)
                         self.host_codes[parity][:n].copy_(self.codes[:n], non_blocking=True)
                     self.graphs[n, parity] = graph
+            for length in self.prompt_buckets:
+                self._prefill_padded(length)  # warm-up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.stream):
+                    self._prefill_padded(length)
+                self.graphs["prompt", length] = graph
         self.caches.zero_()
 
     # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
@@ -331,57 +360,112 @@ class GpuEngine:
         self.prefill_seconds += time.perf_counter() - t0
 
     def _prefill_group(self, group: list[tuple[int, Prompt, Sampling]]) -> None:
-        cfg, ws, dev = self.cfg, self.workspace, self.device
+        lengths = [len(prompt) for _, prompt, _ in group]
+        bucket = next((b for b in self.prompt_buckets if b >= lengths[0]), None)
+        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+            if len(group) == 1 and ("prompt", bucket) in self.graphs:
+                (slot, prompt, sampling), n = group[0], lengths[0]
+                self._stage_prompt(prompt, bucket)
+                self.graphs["prompt", bucket].replay()
+                self.caches[:, :, slot, :, :n].copy_(self.stage[:, :, 0, :, :n])
+                self._start(slot, n, sampling, self.logits[:1])
+            else:
+                logits = self._prefill_eager(group)
+                for j, ((slot, _, sampling), n) in enumerate(zip(group, lengths)):
+                    self._start(slot, n, sampling, logits[j:j + 1])
+            self._record("first", [slot for slot, _, _ in group])
+
+    def _embed(self, ids: torch.Tensor, audio_rows: torch.Tensor, is_audio: torch.Tensor) -> torch.Tensor:
+        """Prompt rows: the text embedding, or where is_audio the sum of the row's eight codebook embeddings."""
+        text = F.embedding(ids, self.text_table)
+        ref = F.embedding(audio_rows + self.offsets, self.table).float().sum(1).to(torch.bfloat16)
+        return torch.where(is_audio[:, None], ref, text)
+
+    def _prefill_rows(self, h: torch.Tensor, prompts: list) -> None:
+        """Every layer over the prompt rows h [p, hidden] (updated in place). prompts: (caches(layer) → its key and
+        value caches [1, Hkv, S, D], first row, rows) per prompt; rope and attention run per prompt."""
+        cfg, ws = self.cfg, self.workspace
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        p = h.shape[0]
+        qkv, q, attn, act = self.qkv_out[:p], self.q[:p], self.attn[:p], self.act[:p]
+        for i, layer in enumerate(self.layers):
+            x = self._norm(h, layer.input_norm, p, layer.qkv)
+            layer.qkv(x, qkv, p, ws, whole_k=True)
+            for caches, s0, n in prompts:
+                k_cache, v_cache = caches(i)
+                plugin_kernels.qk_norm_rope_kv_write[(n,)](
+                    qkv[s0:s0 + n], layer.q_norm, layer.k_norm, self.cos, self.sin, self.write_pos_zero, q[s0:s0 + n],
+                    k_cache, v_cache, n, k_cache.shape[2], cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2,
+                    **self._launch())
+                out = F.scaled_dot_product_attention(
+                    q[s0:s0 + n].view(1, n, hq, d).transpose(1, 2), k_cache[:, :, :n], v_cache[:, :, :n],
+                    is_causal=True, enable_gqa=True)
+                attn[s0:s0 + n].copy_(out.transpose(1, 2).reshape(n, hq * d))
+            layer.o(attn, h, p, ws, residual=True, whole_k=True)
+            x = self._norm(h, layer.post_norm, p, layer.gate_up)
+            layer.gate_up(x, act, p, ws, whole_k=True, out_scale=layer.down.x_scale)
+            layer.down(act, h, p, ws, residual=True, whole_k=True)
+
+    def _head(self, last: torch.Tensor, logits: torch.Tensor) -> None:
+        """logits of the prompts' last rows."""
+        x = self._norm(last, self.final_norm, last.shape[0])
+        self.head(x, logits, last.shape[0], self.workspace, whole_k=True)
+
+    def _prefill_eager(self, group: list[tuple[int, Prompt, Sampling]]) -> torch.Tensor:
+        """The group's prompts in one pass, caches written into their slots; the logits of each one's last row."""
+        dev = self.device
         lengths = [len(prompt) for _, prompt, _ in group]
         starts = np.cumsum([0] + lengths[:-1])
-        p, g = sum(lengths), len(group)
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-            ids = torch.from_numpy(np.concatenate([j[1].input_ids for j in group])).to(dev, torch.int64)
-            rows = torch.from_numpy(np.concatenate([j[1].audio_rows for j in group])).to(dev, torch.int64)
-            audio = torch.from_numpy(np.concatenate([j[1].is_audio for j in group])).to(dev)
-            text = F.embedding(ids, self.text_table)
-            ref = F.embedding(rows + self.offsets, self.table).float().sum(1).to(torch.bfloat16)
-            h = torch.where(audio[:, None], ref, text).contiguous()
-            x, qkv, q, attn, act = self.x[:p], self.qkv_out[:p], self.q[:p], self.attn[:p], self.act[:p]
-            start = torch.zeros(1, dtype=torch.int64, device=dev)
-            for i, layer in enumerate(self.layers):
-                self._norm(h, layer.input_norm, x, p)
-                layer.qkv(x, qkv, p, ws, whole_k=True)
-                for (slot, _, _), s0, n in zip(group, starts, lengths):
-                    k_cache, v_cache = self.caches[i, 0, slot:slot + 1], self.caches[i, 1, slot:slot + 1]
-                    plugin_kernels.qk_norm_rope_kv_write[(n,)](
-                        qkv[s0:s0 + n], layer.q_norm, layer.k_norm, self.cos, self.sin, start, q[s0:s0 + n], k_cache,
-                        v_cache, n, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2,
-                        **self._launch())
-                    out = F.scaled_dot_product_attention(
-                        q[s0:s0 + n].view(1, n, hq, d).transpose(1, 2), k_cache[:, :, :n], v_cache[:, :, :n],
-                        is_causal=True, enable_gqa=True)
-                    attn[s0:s0 + n].copy_(out.transpose(1, 2).reshape(n, hq * d))
-                layer.o(attn, h, p, ws, residual=True, whole_k=True)
-                self._norm(h, layer.post_norm, x, p)
-                layer.gate_up(x, act, p, ws, whole_k=True)
-                layer.down(act, h, p, ws, residual=True, whole_k=True)
-            last = h[torch.from_numpy(starts + np.array(lengths) - 1).to(dev)]
-            self._norm(last, self.final_norm, self.x[:g], g)
-            logits = self.logits[:g]
-            self.head(self.x[:g], logits, g, ws, whole_k=True)
-            for j, ((slot, _, sampling), n) in enumerate(zip(group, lengths)):
-                self.write_pos[slot] = n - 1  # advance_slots moves it to n, where row 0 is fed back
-                self.row_index[slot] = 0
-                self.end_frame[slot] = int(NO_END)
-                self.active[slot] = 1
-                self.temperature[slot] = max(sampling.temperature, 0.0)
-                self.top_k[slot] = min(sampling.top_k, cfg.codebook_vocab)  # k ≥ the vocabulary keeps every code
-                self.top_p[slot] = sampling.top_p
-                self.seed[slot] = sampling.seed
-                codes = self.codes[slot:slot + 1]
-                self._choose(1, logits[j:j + 1], self.h[slot:slot + 1], codes, slot)
-                self._advance(slot, 1)
-                self.host_first[slot].copy_(codes[0], non_blocking=True)
-                self.epochs[slot] += 1
-                self.live[slot] = True
-            self._record("first", [slot for slot, _, _ in group])
+        ids, audio_rows, is_audio = (torch.from_numpy(np.concatenate([getattr(j[1], f) for j in group])).to(dev)
+                                     for f in ("input_ids", "audio_rows", "is_audio"))
+        h = self._embed(ids.long(), audio_rows.long(), is_audio).contiguous()
+
+        def slot_caches(slot):
+            return lambda i: (self.caches[i, 0, slot:slot + 1], self.caches[i, 1, slot:slot + 1])
+        self._prefill_rows(h, [(slot_caches(slot), s0, n) for (slot, _, _), s0, n in zip(group, starts, lengths)])
+        logits = self.logits[:len(group)]
+        self._head(h[torch.from_numpy(starts + np.array(lengths) - 1).to(dev)], logits)
+        return logits
+
+    def _stage_prompt(self, prompt: Prompt, length: int) -> None:
+        """The captured prefill's input: the prompt padded with text token 0 to `length` rows, and its last row."""
+        if self.prompt_copied is not None:
+            self.prompt_copied.synchronize()  # the previous prompt's copy has left the pinned buffer
+        n = len(prompt)
+        host = self.host_prompt.numpy()
+        host[:length] = 0
+        host[:n, 0], host[:n, 1:1 + NUM_CODEBOOKS], host[:n, -1] = prompt.input_ids, prompt.audio_rows, prompt.is_audio
+        host[-1, 0] = n - 1
+        self.prompt_in.copy_(self.host_prompt, non_blocking=True)
+        if self.prompt_copied is not None:
+            self.prompt_copied.record()
+
+    def _prefill_padded(self, length: int) -> None:
+        """The work of a captured prefill: prompt_in's rows [0, length) through every layer, the caches into the
+        stage, the last row's logits into logits[0]."""
+        rows = self.prompt_in[:length]
+        h = self.prompt_h[:length]
+        h.copy_(self._embed(rows[:, 0], rows[:, 1:1 + NUM_CODEBOOKS], rows[:, -1] != 0))
+        self._prefill_rows(h, [(lambda i: (self.stage[i, 0], self.stage[i, 1]), 0, length)])
+        self._head(h.index_select(0, self.prompt_in[-1, :1]), self.logits[:1])
+
+    def _start(self, slot: int, n: int, sampling: Sampling, logits: torch.Tensor) -> None:
+        """A slot whose n prompt rows are cached starts decoding: its state, and row 0 chosen from `logits`."""
+        cfg = self.cfg
+        self.write_pos[slot] = n - 1  # advance_slots moves it to n, where row 0 is fed back
+        self.row_index[slot] = 0
+        self.end_frame[slot] = int(NO_END)
+        self.active[slot] = 1
+        self.temperature[slot] = max(sampling.temperature, 0.0)
+        self.top_k[slot] = min(sampling.top_k, cfg.codebook_vocab)  # k ≥ the vocabulary keeps every code
+        self.top_p[slot] = sampling.top_p
+        self.seed[slot] = sampling.seed
+        codes = self.codes[slot:slot + 1]
+        self._choose(1, logits, self.h[slot:slot + 1], codes, slot)
+        self._advance(slot, 1)
+        self.host_first[slot].copy_(codes[0], non_blocking=True)
+        self.epochs[slot] += 1
+        self.live[slot] = True
 
     def step(self, n: int) -> None:
         """One row for every active slot below n (inactive ones compute a row nobody reads)."""

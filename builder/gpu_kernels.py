@@ -11,8 +11,11 @@ Every kernel here takes PDL: launched with programmatic dependent launch, it wai
 first (plugins/kernels.await_inputs).
 
 linear: y = x Wᵀ for W [N, K] (the checkpoint's layout, read once per step: decode is bound by this read).
-  - FP8: W is float8e4m3 with one scale per output row; x is quantized in the prologue with the static per-tensor
-    activation scale (x/s, saturated to ±448, round to nearest even): the FP8 engine's Q/DQ semantics.
+  - FP8: W is float8e4m3 with one scale per output row; x is quantized with the static per-tensor activation scale
+    (x/s, saturated to ±448, round to nearest even: the FP8 engine's Q/DQ semantics), by the kernel that produced x
+    (X_FP8: rms_norm, or the gated linear before down) or else in this kernel's prologue, tile by tile.
+  - OUT_FP8: the output written as FP8 codes at out_scale (the next linear's activation scale), the same numbers as
+    writing bf16 and quantizing in the next kernel.
   - GATED: two weights (gate, up) → silu(x Gᵀ) · (x Uᵀ), the MLP's first half in one pass.
   - RESIDUAL: out = res + bf16(y) (out may be res: the residual stream updated in place).
   - SWAP: the weight rows on the MMA's M side (W·xᵀ per 16-row tile), so 64-row weight tiles use Hopper's wgmma.
@@ -27,12 +30,18 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, x_scale):
-    """Rows `rows` [16] of x [M, K] at columns k: bf16, or quantized to FP8 as QuantizeLinear does (x / scale,
-    saturated, round to nearest even); zero rows past M and columns past K."""
+def _quantize(v, scale):
+    """fp32 → FP8 codes as QuantizeLinear does: v / scale, saturated, round to nearest even."""
+    return to_fp8(tl.clamp(v / scale, -FP8_MAX, FP8_MAX))
+
+
+@triton.jit
+def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, X_FP8: tl.constexpr, x_scale):
+    """Rows `rows` [16] of x [M, K] at columns k: bf16, or FP8 codes (loaded as they are with X_FP8, else quantized
+    here); zero rows past M and columns past K."""
     tile = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-    if FP8:
-        tile = to_fp8(tl.clamp(tile.to(tl.float32) / x_scale, -FP8_MAX, FP8_MAX))
+    if FP8 and not X_FP8:
+        tile = _quantize(tile.to(tl.float32), x_scale)
     return tile
 
 
@@ -78,8 +87,8 @@ def _rows_first(acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _finish(y, rows, n, M, out, res, w_scale, x_scale,
-            N: tl.constexpr, FP8: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr):
+def _finish(y, rows, n, M, out, res, w_scale, x_scale, out_scale,
+            N: tl.constexpr, FP8: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr, OUT_FP8: tl.constexpr):
     if FP8:
         y = y * (x_scale * tl.load(w_scale + n, mask=n < N, other=0.0))[None, :]
     mask = (rows[:, None] < M) & (n[None, :] < N)
@@ -87,6 +96,9 @@ def _finish(y, rows, n, M, out, res, w_scale, x_scale,
         r = tl.load(res + rows[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
         y = r + y.to(tl.bfloat16).to(tl.float32)
     if OUT_F32:
+        tl.store(out + rows[:, None] * N + n[None, :], y, mask=mask)
+    elif OUT_FP8:
+        y = _quantize(y.to(tl.bfloat16).to(tl.float32), out_scale)
         tl.store(out + rows[:, None] * N + n[None, :], y, mask=mask)
     else:
         tl.store(out + rows[:, None] * N + n[None, :], y.to(tl.bfloat16), mask=mask)
@@ -104,10 +116,11 @@ def _gated(g, u, n, g_scale, u_scale, x_scale, N: tl.constexpr, FP8: tl.constexp
 
 @triton.jit
 def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
-           M, x_scale,
+           M, x_scale, out_scale,
            N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
            TILES: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-           OUT_F32: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False, FP8_SPAN: tl.constexpr = 0):
+           OUT_F32: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False, FP8_SPAN: tl.constexpr = 0,
+           X_FP8: tl.constexpr = False, OUT_FP8: tl.constexpr = False):
     """Grid (N / BLOCK_N, SPLIT_K, programs over M). Rows are taken TILES·16 at a time (TILES ≤ 4), chunk c by
     program c mod the M programs; every row goes through the same 16-row dot, so results do not depend on M.
     SPLIT_K > 1 needs M ≤ TILES·16 (decode). FP8_SPAN: see plugins/kernels.mma."""
@@ -132,22 +145,22 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
             wt = _w_tile(w, w_rows, k, K, BLOCK_K, SWAP)
             if GATED:
                 ut = _w_tile(w_up, w_rows, k, K, BLOCK_K, SWAP)
-            x0 = _x_tile(x, m0 + r16, k, M, K, FP8, x_scale)
+            x0 = _x_tile(x, m0 + r16, k, M, K, FP8, X_FP8, x_scale)
             a0 = _dot(x0, wt, a0, SWAP, FP8_SPAN)
             if GATED:
                 u0 = _dot(x0, ut, u0, SWAP, FP8_SPAN)
             if TILES > 1:
-                x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, x_scale)
+                x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, X_FP8, x_scale)
                 a1 = _dot(x1, wt, a1, SWAP, FP8_SPAN)
                 if GATED:
                     u1 = _dot(x1, ut, u1, SWAP, FP8_SPAN)
             if TILES > 2:
-                x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, x_scale)
+                x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, X_FP8, x_scale)
                 a2 = _dot(x2, wt, a2, SWAP, FP8_SPAN)
                 if GATED:
                     u2 = _dot(x2, ut, u2, SWAP, FP8_SPAN)
             if TILES > 3:
-                x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, x_scale)
+                x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, X_FP8, x_scale)
                 a3 = _dot(x3, wt, a3, SWAP, FP8_SPAN)
                 if GATED:
                     u3 = _dot(x3, ut, u3, SWAP, FP8_SPAN)
@@ -161,16 +174,21 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
                 a2 = _gated(a2, u2, n, w_scale, w_up_scale, x_scale, N, FP8)
                 a3 = _gated(a3, u3, n, w_scale, w_up_scale, x_scale, N, FP8)
             scaled: tl.constexpr = FP8 and not GATED
-            _finish(a0, m0 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+            _finish(a0, m0 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
+                    OUT_FP8)
             if TILES > 1:
-                _finish(a1, m0 + 16 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+                _finish(a1, m0 + 16 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
+                        OUT_FP8)
             if TILES > 2:
-                _finish(a2, m0 + 32 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+                _finish(a2, m0 + 32 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
+                        OUT_FP8)
             if TILES > 3:
-                _finish(a3, m0 + 48 + r16, n, M, out, res, w_scale, x_scale, N, scaled, RESIDUAL, OUT_F32)
+                _finish(a3, m0 + 48 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
+                        OUT_FP8)
         else:
             _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out, res, partials, tickets,
-                            w_scale, w_up_scale, x_scale, N, SPLIT_K, TILES, FP8, GATED, RESIDUAL, OUT_F32)
+                            w_scale, w_up_scale, x_scale, out_scale, N, SPLIT_K, TILES, FP8, GATED, RESIDUAL, OUT_F32,
+                            OUT_FP8)
 
 
 @triton.jit
@@ -197,8 +215,9 @@ def _sum_partials(partials, rows, n, real, N: tl.constexpr, ROWS: tl.constexpr, 
 
 @triton.jit
 def _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out, res, partials, tickets, w_scale,
-                    w_up_scale, x_scale, N: tl.constexpr, SPLIT_K: tl.constexpr, TILES: tl.constexpr,
-                    FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr):
+                    w_up_scale, x_scale, out_scale, N: tl.constexpr, SPLIT_K: tl.constexpr, TILES: tl.constexpr,
+                    FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
+                    OUT_FP8: tl.constexpr):
     """Each split stores its partial [16·TILES, BLOCK_N] (gated: the gate's, then the up projection's); the last to
     finish sums them in split order and applies the epilogue."""
     ROWS: tl.constexpr = 16 * TILES
@@ -217,13 +236,16 @@ def _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out
             if GATED:
                 u = _sum_partials(partials + SPLIT_K * ROWS * N, rows, n, real, N, ROWS, SPLIT_K)
                 y = _gated(y, u, n, w_scale, w_up_scale, x_scale, N, FP8)
-            _finish(y, rows, n, M, out, res, w_scale, x_scale, N, FP8 and not GATED, RESIDUAL, OUT_F32)
+            _finish(y, rows, n, M, out, res, w_scale, x_scale, out_scale, N, FP8 and not GATED, RESIDUAL, OUT_F32,
+                    OUT_FP8)
         tl.atomic_xchg(tickets + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def rms_norm(x, weight, out, eps, H: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per row: weight · bf16(x / rms(x)), statistics in fp32 (as the reference RMSNorm)."""
+def rms_norm(x, weight, out, eps, out_scale, H: tl.constexpr, BLOCK: tl.constexpr, OUT_FP8: tl.constexpr = False,
+             PDL: tl.constexpr = False):
+    """One program per row: weight · bf16(x / rms(x)), statistics in fp32 (as the reference RMSNorm); OUT_FP8: that
+    bf16 value quantized at out_scale, the input of an FP8 linear."""
     await_inputs(PDL)
     row = tl.program_id(0)
     h = tl.arange(0, BLOCK)
@@ -231,7 +253,11 @@ def rms_norm(x, weight, out, eps, H: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.
     v = tl.load(x + row * H + h, mask=inside, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
     w = tl.load(weight + h, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out + row * H + h, (w * (v * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16), mask=inside)
+    y = (w * (v * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    if OUT_FP8:
+        tl.store(out + row * H + h, _quantize(y.to(tl.float32), out_scale), mask=inside)
+    else:
+        tl.store(out + row * H + h, y, mask=inside)
 
 
 @triton.jit

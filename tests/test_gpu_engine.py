@@ -182,12 +182,15 @@ def test_mid_checkpoint_logits_cosine_over_64_steps(tmp_path_factory):
     assert cos.min() >= 0.999, float(cos.min())
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature):
+@pytest.mark.parametrize("temperature, precision", [(0.0, "bf16"), (1.0, "bf16"), (0.0, "fp8")])
+def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature, precision):
+    """Alone, a request prefills from its captured graph; joining several at once, through the eager batched path."""
+    from higgs_trt.calibration.calibrate import calibrate
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.scheduler import Scheduler, request_for
 
-    engine = open_engine(tiny)
+    amax = calibrate(tiny, device="cuda")["activation_amax"] if precision == "fp8" else None
+    engine = open_engine(tiny, amax=amax)
     texts = ["Hello there, how are you doing today?", "She sells sea shells by the sea shore.",
              "Numbers: one, two, three.", "Wait... what? No way!", "A journey of a thousand miles.",
              "It was 3:45 pm on March 14.", "Text to speech.", "Can you call me back?"]

@@ -41,7 +41,7 @@ def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k
     out = residual.clone() if residual is not None else torch.full((m, n), float("nan")).bfloat16()
     partials, tickets = torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32)
     gpu_kernels.linear[(-(-n // block_n), split, -(-m // 64) if m > 64 else 1)](
-        x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, N=n, K=k, BLOCK_N=block_n,
+        x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, 1.0, N=n, K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split, TILES=min(4, -(-m // 16)), FP8=fp8, GATED=up is not None,
         RESIDUAL=residual is not None, OUT_F32=False, SWAP=swap)
     assert not tickets.any()  # every split-K ticket counter is reset for the next launch
@@ -84,6 +84,34 @@ for m, n, k, split, bn, bk, swap in [(1, 48, 64, 1, 16, 32, False), (5, 40, 96, 
 """)
 
 
+def test_fp8_linear_takes_and_gives_codes_quantized_by_their_neighbours():
+    """An FP8 linear fed codes that its producer quantized (rms_norm, gate|up) computes exactly what it computes
+    quantizing bf16 rows itself; an FP8 output holds exactly the codes the next linear would make of the bf16 one."""
+    run("""
+m, n, k = 5, 64, 96
+x = torch.randn(m, k).bfloat16()
+w, up = (torch.randn(n, k) / k ** 0.5).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
+xs, next_scale = float(bf16_scale(float(x.float().abs().max()))), 0.004
+(w8, ws), (u8, us) = quantize_weight(w), quantize_weight(up)
+quantized = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+def call(inp, out, split, gated, swap):
+    gpu_kernels.linear[(n // 32, split, 1)](
+        inp, w8, u8 if gated else w8, ws, us, out, out, torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32),
+        m, xs, next_scale, N=n, K=k, BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, TILES=1, FP8=True, GATED=gated,
+        RESIDUAL=False, OUT_F32=False, SWAP=swap, X_FP8=inp.dtype == torch.float8_e4m3fn,
+        OUT_FP8=out.dtype == torch.float8_e4m3fn)
+    return out
+
+for split, gated, swap in ((1, False, False), (3, True, False), (2, False, True), (1, True, True)):
+    bf16 = call(x, torch.zeros(m, n).bfloat16(), split, gated, swap)
+    assert torch.equal(call(quantized, torch.zeros(m, n).bfloat16(), split, gated, swap), bf16)
+    codes = call(x, torch.zeros(m, n, dtype=torch.float8_e4m3fn), split, gated, swap)
+    expected = (bf16.float() / next_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8)), (split, gated, swap)
+""")
+
+
 def test_linear_rows_do_not_depend_on_the_batch():
     run(LINEAR + """
 k, n = 96, 48
@@ -106,10 +134,14 @@ def test_rms_norm_and_advance_slots():
 x = torch.randn(5, 48).bfloat16() * 3
 w = (1 + 0.1 * torch.randn(48)).bfloat16()
 out = torch.empty_like(x)
-gpu_kernels.rms_norm[(5,)](x, w, out, 1e-6, H=48, BLOCK=64)
+gpu_kernels.rms_norm[(5,)](x, w, out, 1e-6, 1.0, H=48, BLOCK=64)
 h = x.float()
 ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
 assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -6).all()  # two bf16 roundings
+codes = torch.zeros(5, 48, dtype=torch.float8_e4m3fn)  # as the input of an FP8 linear: the same rows quantized
+gpu_kernels.rms_norm[(5,)](x, w, codes, 1e-6, 0.01, H=48, BLOCK=64, OUT_FP8=True)
+expected = (out.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
 
 pos, row = torch.tensor([5, 9, 127, 3]), torch.tensor([1, 2, 3, 4])
 end, nxt, active = torch.full((4,), 1 << 40), torch.tensor([7, 8, 9, 10]), torch.tensor([1, 0, 1, 1], dtype=torch.int32)
