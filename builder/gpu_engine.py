@@ -21,8 +21,10 @@ which is slower than BF16 at decode sizes: ../shared/docs/gpu-measurements.md). 
 the kernel that produces them (the norms, gate|up; o quantizes attention's output itself). The audio table stays
 bf16.
 
-Prefill takes the requests that join together: their rows go through the same linear kernel at once, with K never
-split, so a row's numbers never depend on the other requests; SDPA's causal attention runs per prompt.
+Prefill takes the requests that join together, padded to the longest: their rows go through the same linear kernel
+at once, with K never split, so a row's numbers never depend on the other requests, and one decode_attention
+launch per layer attends each row to its own prompt's keys 0..row. One prompt alone replays the captured graph of
+its length bucket.
 """
 
 import time
@@ -46,8 +48,10 @@ from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured one-prompt prefills
+PREFILL_PROMPTS = 4  # a prefill pass holds the rows of this many longest prompts (more when they are shorter)
 ATTENTION_CHUNK = 256  # keys per decode-attention program; a row's split depends only on its own length
 ATTENTION_BLOCK = 64
+PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention program
 SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for the compiler's own
 # FP8 products one wgmma instruction sums in the tensor core's reduced precision before fp32 (plugins/kernels.mma):
 # 32, each instruction's K. 0 would keep every sum in fp32 but makes Triton multiply FP8 as f16 with mma.sync,
@@ -122,7 +126,7 @@ class Linear:
         t = tiles or self.tiles
         split = t.split_k if m <= 64 and not whole_k else 1
         rows = 16 * min(4, -(-m // 16))
-        grid = (-(-self.n // t.block_n), split, -(-m // rows))  # prefill: the row chunks in parallel
+        grid = (-(-m // rows), -(-self.n // t.block_n), split)  # prefill: the row chunks in parallel
         # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
         stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
         stages = max(2, min(t.stages, SHARED_MEMORY // stage))
@@ -196,7 +200,7 @@ class GpuEngine:
         self.codec_strides = codec.dims.strides if codec is not None else None
 
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        rows = max(max_batch, max_prompt)
+        rows = self.prefill_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)  # activation rows (prefill's most)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
         self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here
@@ -206,6 +210,7 @@ class GpuEngine:
         self.qkv_out = torch.zeros(rows, (hq + 2 * hkv) * d, **bf16)
         self.q = torch.zeros(rows, hq * d, **bf16)
         self.attn = torch.zeros(rows, hq * d, **bf16)
+        self.heads = torch.zeros(rows, hq * d, **bf16)  # a prefill's scaled q, heads first
         self.act = torch.zeros(rows, cfg.intermediate_size, dtype=FP8_CODES if fp8 else torch.bfloat16, device=dev)
         self.logits = torch.zeros(max_batch, cfg.audio_table_rows, dtype=torch.float32, device=dev)
         self.codes = torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, device=dev)
@@ -220,7 +225,7 @@ class GpuEngine:
         self.top_k = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(max_batch, **i64)
-        self.write_pos_zero = torch.zeros(1, **i64)  # a prefill's rope starts at position 0
+        self.prompt_start = torch.zeros(max_batch, **i64)  # a prefill's rope starts at position 0
         n_max = max(lin.n for lin in (self.layers[0].qkv, self.layers[0].gate_up, self.head))
         if pdl is None:  # Hopper on (griddepcontrol); launched without it, the kernels' waits are no-ops
             pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
@@ -239,15 +244,16 @@ class GpuEngine:
         self.codec_seconds: list[float] = []
         self.parity = 0
         self.graphs: dict = {}
-        # one prompt alone prefills from a graph of its length bucket: its rows padded with text token 0 after the
-        # prompt (causal attention keeps them out of the prompt's rows), caches staged, then copied into its slot
+        # prefill input: the prompts padded with text token 0 to one length (causal attention keeps the padding out
+        # of the prompt's rows), one after another; the keys and values go to a stage, then into their slots
         self.prompt_buckets = sorted({min(b, max_prompt) for b in PROMPT_BUCKETS})
-        longest = self.prompt_buckets[-1]
-        self.prompt_in = torch.zeros(longest + 1, 2 + NUM_CODEBOOKS, dtype=torch.int64, device=dev)
+        self.prompt_in = torch.zeros(rows, 2 + NUM_CODEBOOKS, dtype=torch.int64, device=dev)  # id, audio row, flag
+        self.prompt_last = torch.zeros(max_batch, **i64)
         self.host_prompt = torch.zeros(self.prompt_in.shape, dtype=torch.int64, pin_memory=pinned)
+        self.host_last = torch.zeros(max_batch, dtype=torch.int64, pin_memory=pinned)
         self.prompt_copied = torch.cuda.Event() if pinned else None
-        self.prompt_h = torch.zeros(longest, h, **bf16)
-        self.stage = torch.zeros(cfg.num_layers, 2, 1, hkv, longest, d, **bf16)
+        self.prompt_h = torch.zeros(rows, h, **bf16)
+        self.stage = torch.zeros(cfg.num_layers, 2, rows * hkv * d, **bf16)
         if graphs and dev.type == "cuda":
             self._capture_all()
 
@@ -329,11 +335,11 @@ class GpuEngine:
                         self._decode(n)
                         self.host_codes[parity][:n].copy_(self.codes[:n], non_blocking=True)
                     self.graphs[n, parity] = graph
-            for length in self.prompt_buckets:
-                self._prefill_padded(length)  # warm-up
+            for length in self.prompt_buckets:  # one prompt alone prefills from the graph of its length bucket
+                self._prefill_padded(1, length)  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=self.stream):
-                    self._prefill_padded(length)
+                    self._prefill_padded(1, length)
                 self.graphs["prompt", length] = graph
         self.caches.zero_()
 
@@ -348,106 +354,95 @@ class GpuEngine:
         for _, prompt, _ in joins:
             if len(prompt) > self.max_prompt:
                 raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prompt {self.max_prompt}")
-        group, rows = [], 0
-        for join in joins:  # as many prompts at a time as the activation buffers hold rows
-            if group and rows + len(join[1]) > self.x.shape[0]:
+        group, longest = [], 0
+        for join in joins:  # as many prompts at a time as the activation buffers hold, padded to the longest
+            if group and (len(group) + 1) * max(longest, len(join[1])) > self.prefill_rows:
                 self._prefill_group(group)
-                group, rows = [], 0
+                group, longest = [], 0
             group.append(join)
-            rows += len(join[1])
+            longest = max(longest, len(join[1]))
         if group:
             self._prefill_group(group)
         self.prefill_seconds += time.perf_counter() - t0
 
     def _prefill_group(self, group: list[tuple[int, Prompt, Sampling]]) -> None:
-        lengths = [len(prompt) for _, prompt, _ in group]
-        bucket = next((b for b in self.prompt_buckets if b >= lengths[0]), None)
+        g, longest = len(group), max(len(prompt) for _, prompt, _ in group)
+        bucket = next((b for b in self.prompt_buckets if b >= longest), None)
+        graph = self.graphs.get(("prompt", bucket)) if g == 1 else None
+        length = bucket if graph is not None else longest
         with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-            if len(group) == 1 and ("prompt", bucket) in self.graphs:
-                (slot, prompt, sampling), n = group[0], lengths[0]
-                self._stage_prompt(prompt, bucket)
-                self.graphs["prompt", bucket].replay()
-                self.caches[:, :, slot, :, :n].copy_(self.stage[:, :, 0, :, :n])
-                self._start(slot, n, sampling, self.logits[:1])
+            self._stage_prompts([prompt for _, prompt, _ in group], length)
+            if graph is not None:
+                graph.replay()
             else:
-                logits = self._prefill_eager(group)
-                for j, ((slot, _, sampling), n) in enumerate(zip(group, lengths)):
-                    self._start(slot, n, sampling, logits[j:j + 1])
+                self._prefill_padded(g, length)
+            stage = self._stage_view(g, length)
+            for j, (slot, prompt, sampling) in enumerate(group):
+                n = len(prompt)
+                self.caches[:, :, slot, :, :n].copy_(stage[:, :, j, :, :n])
+                self._start(slot, n, sampling, self.logits[j:j + 1])
             self._record("first", [slot for slot, _, _ in group])
 
-    def _embed(self, ids: torch.Tensor, audio_rows: torch.Tensor, is_audio: torch.Tensor) -> torch.Tensor:
-        """Prompt rows: the text embedding, or where is_audio the sum of the row's eight codebook embeddings."""
-        text = F.embedding(ids, self.text_table)
-        ref = F.embedding(audio_rows + self.offsets, self.table).float().sum(1).to(torch.bfloat16)
-        return torch.where(is_audio[:, None], ref, text)
+    def _stage_prompts(self, prompts: list[Prompt], length: int) -> None:
+        """Prefill input: each prompt padded with text token 0 to `length` rows, one after another, and the index
+        of each one's last row."""
+        if self.prompt_copied is not None:
+            self.prompt_copied.synchronize()  # the previous prefill's copies have left the pinned buffers
+        host, last = self.host_prompt.numpy(), self.host_last.numpy()
+        rows = len(prompts) * length
+        host[:rows] = 0
+        for j, prompt in enumerate(prompts):
+            r, n = j * length, len(prompt)
+            host[r:r + n, 0], host[r:r + n, -1] = prompt.input_ids, prompt.is_audio
+            host[r:r + n, 1:-1] = prompt.audio_rows
+            last[j] = r + n - 1
+        self.prompt_in[:rows].copy_(self.host_prompt[:rows], non_blocking=True)
+        self.prompt_last[:len(prompts)].copy_(self.host_last[:len(prompts)], non_blocking=True)
+        if self.prompt_copied is not None:
+            self.prompt_copied.record()
 
-    def _prefill_rows(self, h: torch.Tensor, prompts: list) -> None:
-        """Every layer over the prompt rows h [p, hidden] (updated in place). prompts: (caches(layer) → its key and
-        value caches [1, Hkv, S, D], first row, rows) per prompt; rope and attention run per prompt."""
+    def _stage_view(self, g: int, length: int) -> torch.Tensor:
+        """The stage as [layer, key/value, prompt, Hkv, length, D]."""
+        cfg = self.cfg
+        return self.stage[:, :, :g * cfg.num_kv_heads * length * cfg.head_dim].view(
+            cfg.num_layers, 2, g, cfg.num_kv_heads, length, cfg.head_dim)
+
+    def _prefill_padded(self, g: int, length: int) -> None:
+        """g staged prompts of `length` rows through every layer (rows of different prompts share each GEMM, K never
+        split, so a row's numbers depend neither on the others nor on the padding), their keys and values into the
+        stage, the logits of each one's last row into logits[:g]. A captured graph for g = 1."""
         cfg, ws = self.cfg, self.workspace
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        p = h.shape[0]
+        p = g * length
+        inp, h = self.prompt_in[:p], self.prompt_h[:p]
         qkv, q, attn, act = self.qkv_out[:p], self.q[:p], self.attn[:p], self.act[:p]
+        text = F.embedding(inp[:, 0], self.text_table)
+        ref = F.embedding(inp[:, 1:-1] + self.offsets, self.table).float().sum(1).to(torch.bfloat16)
+        h.copy_(torch.where(inp[:, -1:] != 0, ref, text))
+        stage = self._stage_view(g, length)
+        heads = self.heads[:p].view(g, hq, length, d)
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm, p, layer.qkv)
             layer.qkv(x, qkv, p, ws, whole_k=True)
-            for caches, s0, n in prompts:
-                k_cache, v_cache = caches(i)
-                plugin_kernels.qk_norm_rope_kv_write[(n,)](
-                    qkv[s0:s0 + n], layer.q_norm, layer.k_norm, self.cos, self.sin, self.write_pos_zero, q[s0:s0 + n],
-                    k_cache, v_cache, n, k_cache.shape[2], cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2,
-                    **self._launch())
-                out = F.scaled_dot_product_attention(
-                    q[s0:s0 + n].view(1, n, hq, d).transpose(1, 2), k_cache[:, :, :n], v_cache[:, :, :n],
-                    is_causal=True, enable_gqa=True)
-                attn[s0:s0 + n].copy_(out.transpose(1, 2).reshape(n, hq * d))
+            k_stage, v_stage = stage[i, 0], stage[i, 1]
+            plugin_kernels.qk_norm_rope_kv_write[(p,)](
+                qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, self.prompt_start, q, k_stage, v_stage, length,
+                length, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2, **self._launch())
+            # causal attention over each prompt's own keys only (decode_attention reads keys 0..row of each row, so a
+            # row's result depends neither on the padding nor on the other prompts): q scaled as decode scales it,
+            # heads first; the output goes through q's buffer (q is spent) back to rows first
+            heads.copy_(q.view(g, length, hq, d).transpose(1, 2).float() * d ** -0.5)
+            out = q.view(g, hq, length, d)
+            plugin_kernels.decode_attention[(g, hkv, -(-length * (hq // hkv) // PROMPT_Q_BLOCK))](
+                heads, k_stage, v_stage, self.prompt_start, length, length, out, Q_HEADS=hq, KV_HEADS=hkv,
+                HEAD_DIM=d, BLOCK_Q=PROMPT_Q_BLOCK, BLOCK_S=ATTENTION_BLOCK)
+            attn.view(g, length, hq, d).copy_(out.transpose(1, 2))
             layer.o(attn, h, p, ws, residual=True, whole_k=True)
             x = self._norm(h, layer.post_norm, p, layer.gate_up)
             layer.gate_up(x, act, p, ws, whole_k=True, out_scale=layer.down.x_scale)
             layer.down(act, h, p, ws, residual=True, whole_k=True)
-
-    def _head(self, last: torch.Tensor, logits: torch.Tensor) -> None:
-        """logits of the prompts' last rows."""
-        x = self._norm(last, self.final_norm, last.shape[0])
-        self.head(x, logits, last.shape[0], self.workspace, whole_k=True)
-
-    def _prefill_eager(self, group: list[tuple[int, Prompt, Sampling]]) -> torch.Tensor:
-        """The group's prompts in one pass, caches written into their slots; the logits of each one's last row."""
-        dev = self.device
-        lengths = [len(prompt) for _, prompt, _ in group]
-        starts = np.cumsum([0] + lengths[:-1])
-        ids, audio_rows, is_audio = (torch.from_numpy(np.concatenate([getattr(j[1], f) for j in group])).to(dev)
-                                     for f in ("input_ids", "audio_rows", "is_audio"))
-        h = self._embed(ids.long(), audio_rows.long(), is_audio).contiguous()
-
-        def slot_caches(slot):
-            return lambda i: (self.caches[i, 0, slot:slot + 1], self.caches[i, 1, slot:slot + 1])
-        self._prefill_rows(h, [(slot_caches(slot), s0, n) for (slot, _, _), s0, n in zip(group, starts, lengths)])
-        logits = self.logits[:len(group)]
-        self._head(h[torch.from_numpy(starts + np.array(lengths) - 1).to(dev)], logits)
-        return logits
-
-    def _stage_prompt(self, prompt: Prompt, length: int) -> None:
-        """The captured prefill's input: the prompt padded with text token 0 to `length` rows, and its last row."""
-        if self.prompt_copied is not None:
-            self.prompt_copied.synchronize()  # the previous prompt's copy has left the pinned buffer
-        n = len(prompt)
-        host = self.host_prompt.numpy()
-        host[:length] = 0
-        host[:n, 0], host[:n, 1:1 + NUM_CODEBOOKS], host[:n, -1] = prompt.input_ids, prompt.audio_rows, prompt.is_audio
-        host[-1, 0] = n - 1
-        self.prompt_in.copy_(self.host_prompt, non_blocking=True)
-        if self.prompt_copied is not None:
-            self.prompt_copied.record()
-
-    def _prefill_padded(self, length: int) -> None:
-        """The work of a captured prefill: prompt_in's rows [0, length) through every layer, the caches into the
-        stage, the last row's logits into logits[0]."""
-        rows = self.prompt_in[:length]
-        h = self.prompt_h[:length]
-        h.copy_(self._embed(rows[:, 0], rows[:, 1:1 + NUM_CODEBOOKS], rows[:, -1] != 0))
-        self._prefill_rows(h, [(lambda i: (self.stage[i, 0], self.stage[i, 1]), 0, length)])
-        self._head(h.index_select(0, self.prompt_in[-1, :1]), self.logits[:1])
+        x = self._norm(h.index_select(0, self.prompt_last[:g]), self.final_norm, g)
+        self.head(x, self.logits[:g], g, ws, whole_k=True)
 
     def _start(self, slot: int, n: int, sampling: Sampling, logits: torch.Tensor) -> None:
         """A slot whose n prompt rows are cached starts decoding: its state, and row 0 chosen from `logits`."""

@@ -121,17 +121,18 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            TILES: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
            OUT_F32: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False, FP8_SPAN: tl.constexpr = 0,
            X_FP8: tl.constexpr = False, OUT_FP8: tl.constexpr = False):
-    """Grid (N / BLOCK_N, SPLIT_K, programs over M). Rows are taken TILES·16 at a time (TILES ≤ 4), chunk c by
-    program c mod the M programs; every row goes through the same 16-row dot, so results do not depend on M.
+    """Grid (programs over M, N / BLOCK_N, SPLIT_K). Rows are taken TILES·16 at a time (TILES ≤ 4), chunk c by
+    program c mod the M programs; every row goes through the same 16-row dot, so results do not depend on M. The M
+    programs come first so that those reading one weight tile run together and share it in L2 (a prefill's rows).
     SPLIT_K > 1 needs M ≤ TILES·16 (decode). FP8_SPAN: see plugins/kernels.mma."""
     await_inputs(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r16 = tl.arange(0, 16)
     K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     w_rows = tl.where(n < N, n, 0)  # columns past N read row 0 and are never stored
-    for m0 in range(tl.program_id(2) * 16 * TILES, M, tl.num_programs(2) * 16 * TILES):
+    for m0 in range(tl.program_id(0) * 16 * TILES, M, tl.num_programs(0) * 16 * TILES):
         a0 = _zeros(BLOCK_N, SWAP)
         a1 = _zeros(BLOCK_N, SWAP)
         a2 = _zeros(BLOCK_N, SWAP)

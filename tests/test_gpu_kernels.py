@@ -40,7 +40,7 @@ def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k
     (w8, ws), (u8, us) = (quantize_weight(w), quantize_weight(up if up is not None else w)) if fp8 else ((w, x), (up, x))
     out = residual.clone() if residual is not None else torch.full((m, n), float("nan")).bfloat16()
     partials, tickets = torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32)
-    gpu_kernels.linear[(-(-n // block_n), split, -(-m // 64) if m > 64 else 1)](
+    gpu_kernels.linear[(-(-m // 64) if m > 64 else 1, -(-n // block_n), split)](
         x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, 1.0, N=n, K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split, TILES=min(4, -(-m // 16)), FP8=fp8, GATED=up is not None,
         RESIDUAL=residual is not None, OUT_F32=False, SWAP=swap)
@@ -96,7 +96,7 @@ xs, next_scale = float(bf16_scale(float(x.float().abs().max()))), 0.004
 quantized = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 def call(inp, out, split, gated, swap):
-    gpu_kernels.linear[(n // 32, split, 1)](
+    gpu_kernels.linear[(1, n // 32, split)](
         inp, w8, u8 if gated else w8, ws, us, out, out, torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32),
         m, xs, next_scale, N=n, K=k, BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, TILES=1, FP8=True, GATED=gated,
         RESIDUAL=False, OUT_F32=False, SWAP=swap, X_FP8=inp.dtype == torch.float8_e4m3fn,
