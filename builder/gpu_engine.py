@@ -239,6 +239,7 @@ class GpuEngine:
         self.epochs = [0] * max_batch  # bumped by each prefill: rows launched before it belong to the old request
         self.live = [False] * max_batch
         self.pending: list = []  # launches whose codes the host has not read: (event, kind, slots, epochs, parity)
+        self.events: list = []  # recorded events done with, for reuse (creating one per step costs host time)
         self.waited = 0.0  # seconds the host spent waiting for the GPU in rows() (benchmarks read these)
         self.prefill_seconds = 0.0
         self.codec_seconds: list[float] = []
@@ -475,8 +476,9 @@ class GpuEngine:
         self.parity ^= 1
 
     def _record(self, kind: str, slots: list[int], parity: int = 0) -> None:
-        event = torch.cuda.Event() if self.stream else None
-        if event is not None:
+        event = None
+        if self.stream is not None:
+            event = self.events.pop() if self.events else torch.cuda.Event()
             event.record(self.stream)
         self.pending.append((event, kind, slots, [self.epochs[s] for s in slots], parity))
 
@@ -490,6 +492,7 @@ class GpuEngine:
                 t0 = time.perf_counter()
                 event.synchronize()
                 self.waited += time.perf_counter() - t0
+                self.events.append(event)
             codes = (self.host_first if kind == "first" else self.host_codes[parity]).numpy()
             out += [(s, codes[s].copy()) for s, e in zip(slots, epochs) if self._live(s, e)]
         return out

@@ -132,7 +132,8 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration; False when there is nothing left to do."""
-        self._admit()
+        if self.queue:
+            self._admit()
         busy = [s for s, r in enumerate(self.slots) if r is not None]
         if busy:
             self.engine.step(busy[-1] + 1)
@@ -140,20 +141,21 @@ class Scheduler:
             request = self.slots[slot]
             if request is not None and not request.utterance.done:
                 request.utterance.push(codes)
-        windows = []
-        for slot, request in enumerate(self.slots):
-            if request is None:
-                continue
+        windows, left = [], len(busy)
+        for slot in busy:
+            request = self.slots[slot]
             if request.cancelled or request.utterance.done:
                 self.engine.release(slot)
                 self.slots[slot] = None
+                left -= 1
             if request.cancelled:
                 self._finish(request)
             else:
                 windows += self._due(request)
-        self._decode(windows)
+        if windows:
+            self._decode(windows)
         with self.lock:
-            return bool(self.queue) or any(r is not None for r in self.slots)
+            return bool(self.queue) or left > 0
 
     def _admit(self) -> None:
         """Queued requests take free slots, in one prefill call (a failed call fails them all: lengths were checked
