@@ -193,6 +193,9 @@ class GpuEngine:
         self.table = t[AUDIO_TABLE]  # the audio embedding and the head (bf16 in both precisions)
         self.head = Linear(self.table)
         self.text_table = t[TEXT_EMBEDDING]
+        if act_amax:  # the FP8 engine stores the text table in FP8 with a scale per row (calibration/qdq.py)
+            codes, scale = quantize_weight(self.text_table)
+            self.text_table = (codes.float() * scale[:, None]).to(torch.bfloat16)
         del t
         self.cos, self.sin = (x.to(dev) for x in rope_table(cfg, max_seq, torch.bfloat16))
         self.offsets = torch.arange(cfg.num_codebooks, device=dev) * cfg.codebook_vocab
