@@ -352,8 +352,8 @@ class GpuEngine:
     @torch.inference_mode()
     def prefill(self, joins: list[tuple[int, Prompt, Sampling]]) -> None:
         """Fill each join's slot from its prompt and choose its row 0 on the device. The prompts' rows go through
-        the GEMMs together (K never split, so a row's result does not depend on the others) and attention runs per
-        prompt: a request prefills to the same state alone or with others."""
+        the GEMMs together (K never split, so a row's result does not depend on the others) and each row attends to
+        its own prompt's keys: a request prefills to the same state alone or with others."""
         t0 = time.perf_counter()
         for _, prompt, _ in joins:
             if len(prompt) > self.max_prompt:
