@@ -146,50 +146,56 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
             wt = _w_tile(w, w_rows, k, K, BLOCK_K, SWAP)
             if GATED:
                 ut = _w_tile(w_up, w_rows, k, K, BLOCK_K, SWAP)
-            x0 = _x_tile(x, m0 + r16, k, M, K, FP8, X_FP8, x_scale)
-            a0 = _dot(x0, wt, a0, SWAP, FP8_SPAN)
-            if GATED:
-                u0 = _dot(x0, ut, u0, SWAP, FP8_SPAN)
+            else:
+                ut = wt
+            a0, u0 = _tile_dots(x, m0 + r16, k, M, x_scale, wt, ut, a0, u0, K, FP8, X_FP8, GATED, SWAP, FP8_SPAN)
             if TILES > 1:
-                x1 = _x_tile(x, m0 + 16 + r16, k, M, K, FP8, X_FP8, x_scale)
-                a1 = _dot(x1, wt, a1, SWAP, FP8_SPAN)
-                if GATED:
-                    u1 = _dot(x1, ut, u1, SWAP, FP8_SPAN)
+                a1, u1 = _tile_dots(x, m0 + 16 + r16, k, M, x_scale, wt, ut, a1, u1, K, FP8, X_FP8, GATED, SWAP,
+                                    FP8_SPAN)
             if TILES > 2:
-                x2 = _x_tile(x, m0 + 32 + r16, k, M, K, FP8, X_FP8, x_scale)
-                a2 = _dot(x2, wt, a2, SWAP, FP8_SPAN)
-                if GATED:
-                    u2 = _dot(x2, ut, u2, SWAP, FP8_SPAN)
+                a2, u2 = _tile_dots(x, m0 + 32 + r16, k, M, x_scale, wt, ut, a2, u2, K, FP8, X_FP8, GATED, SWAP,
+                                    FP8_SPAN)
             if TILES > 3:
-                x3 = _x_tile(x, m0 + 48 + r16, k, M, K, FP8, X_FP8, x_scale)
-                a3 = _dot(x3, wt, a3, SWAP, FP8_SPAN)
-                if GATED:
-                    u3 = _dot(x3, ut, u3, SWAP, FP8_SPAN)
-        a0, a1, a2, a3 = _rows_first(a0, SWAP), _rows_first(a1, SWAP), _rows_first(a2, SWAP), _rows_first(a3, SWAP)
-        if GATED:
-            u0, u1, u2, u3 = _rows_first(u0, SWAP), _rows_first(u1, SWAP), _rows_first(u2, SWAP), _rows_first(u3, SWAP)
+                a3, u3 = _tile_dots(x, m0 + 48 + r16, k, M, x_scale, wt, ut, a3, u3, K, FP8, X_FP8, GATED, SWAP,
+                                    FP8_SPAN)
         if SPLIT_K == 1:
-            if GATED:
-                a0 = _gated(a0, u0, n, w_scale, w_up_scale, x_scale, N, FP8)
-                a1 = _gated(a1, u1, n, w_scale, w_up_scale, x_scale, N, FP8)
-                a2 = _gated(a2, u2, n, w_scale, w_up_scale, x_scale, N, FP8)
-                a3 = _gated(a3, u3, n, w_scale, w_up_scale, x_scale, N, FP8)
-            scaled: tl.constexpr = FP8 and not GATED
-            _finish(a0, m0 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
-                    OUT_FP8)
+            _epilogue(a0, u0, m0 + r16, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8, GATED,
+                      RESIDUAL, OUT_F32, OUT_FP8, SWAP)
             if TILES > 1:
-                _finish(a1, m0 + 16 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
-                        OUT_FP8)
+                _epilogue(a1, u1, m0 + 16 + r16, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8,
+                          GATED, RESIDUAL, OUT_F32, OUT_FP8, SWAP)
             if TILES > 2:
-                _finish(a2, m0 + 32 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
-                        OUT_FP8)
+                _epilogue(a2, u2, m0 + 32 + r16, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8,
+                          GATED, RESIDUAL, OUT_F32, OUT_FP8, SWAP)
             if TILES > 3:
-                _finish(a3, m0 + 48 + r16, n, M, out, res, w_scale, x_scale, out_scale, N, scaled, RESIDUAL, OUT_F32,
-                        OUT_FP8)
+                _epilogue(a3, u3, m0 + 48 + r16, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8,
+                          GATED, RESIDUAL, OUT_F32, OUT_FP8, SWAP)
         else:
             _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out, res, partials, tickets,
                             w_scale, w_up_scale, x_scale, out_scale, N, SPLIT_K, TILES, FP8, GATED, RESIDUAL, OUT_F32,
-                            OUT_FP8)
+                            OUT_FP8, SWAP)
+
+
+@triton.jit
+def _tile_dots(x, rows, k, M, x_scale, wt, ut, a, u, K: tl.constexpr, FP8: tl.constexpr, X_FP8: tl.constexpr,
+               GATED: tl.constexpr, SWAP: tl.constexpr, FP8_SPAN: tl.constexpr):
+    """One 16-row x tile times the weight tile (and the up tile when gated), added to the accumulators (a, u)."""
+    xt = _x_tile(x, rows, k, M, K, FP8, X_FP8, x_scale)
+    a = _dot(xt, wt, a, SWAP, FP8_SPAN)
+    if GATED:
+        u = _dot(xt, ut, u, SWAP, FP8_SPAN)
+    return a, u
+
+
+@triton.jit
+def _epilogue(a, u, rows, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N: tl.constexpr,
+              FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
+              OUT_FP8: tl.constexpr, SWAP: tl.constexpr):
+    """One 16-row tile's output when K is not split: silu(gate)·up when gated, the FP8 scales, residual, store."""
+    y = _rows_first(a, SWAP)
+    if GATED:
+        y = _gated(y, _rows_first(u, SWAP), n, w_scale, w_up_scale, x_scale, N, FP8)
+    _finish(y, rows, n, M, out, res, w_scale, x_scale, out_scale, N, FP8 and not GATED, RESIDUAL, OUT_F32, OUT_FP8)
 
 
 @triton.jit
@@ -218,11 +224,13 @@ def _sum_partials(partials, rows, n, real, N: tl.constexpr, ROWS: tl.constexpr, 
 def _split_k_reduce(a0, a1, a2, a3, u0, u1, u2, u3, pid_n, pid_k, n, r16, M, out, res, partials, tickets, w_scale,
                     w_up_scale, x_scale, out_scale, N: tl.constexpr, SPLIT_K: tl.constexpr, TILES: tl.constexpr,
                     FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
-                    OUT_FP8: tl.constexpr):
+                    OUT_FP8: tl.constexpr, SWAP: tl.constexpr):
     """Each split stores its partial [16·TILES, BLOCK_N] (gated: the gate's, then the up projection's); the last to
     finish sums them in split order and applies the epilogue."""
     ROWS: tl.constexpr = 16 * TILES
     cols = n[None, :] < N
+    a0, a1, a2, a3 = _rows_first(a0, SWAP), _rows_first(a1, SWAP), _rows_first(a2, SWAP), _rows_first(a3, SWAP)
+    u0, u1, u2, u3 = _rows_first(u0, SWAP), _rows_first(u1, SWAP), _rows_first(u2, SWAP), _rows_first(u3, SWAP)
     _store_partial(partials + pid_k * ROWS * N, r16, n, cols, M, a0, a1, a2, a3, N, TILES)
     if GATED:
         _store_partial(partials + (SPLIT_K + pid_k) * ROWS * N, r16, n, cols, M, u0, u1, u2, u3, N, TILES)

@@ -244,14 +244,25 @@ def stream_plan(first_chunk: int, chunk: int, context: int | None, holdback: int
     return plan
 
 
+def encoder_source(command):
+    """The options that pick a codec encoder: `encode-audio` and `bench encode`."""
+    for option in reversed([
+        click.option("--engine", type=click.Path(path_type=Path),
+                     help="Engine directory (its codec_encoder graph or plan: ort or trt encoder)."),
+        click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch encoder)."),
+        click.option("--backend", type=click.Choice(["torch", "ort", "trt"]),
+                     help="Default: ort with --engine, else torch."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto",
+                     show_default=True)]):
+        command = option(command)
+    return command
+
+
 @main.command("encode-audio")
 @click.option("--audio", type=click.Path(path_type=Path), required=True,
               help="Reference recording: wav/flac/ogg/mp3, mono or stereo, 1–30 s.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Codes to write: frames [T,8] int32 (.npy).")
-@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (its codec_encoder graph or plan).")
-@click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch encoder).")
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="Default: ort with --engine, else torch.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True)
+@encoder_source
 @click.pass_context
 def encode_audio(ctx, audio, out, engine, checkpoint, backend, device):
     """Encode a reference recording into codes for `run --ref-codes` (the layout --codes-out writes)."""
@@ -412,10 +423,7 @@ def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
 
 
 @bench.command("encode")
-@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (ort or trt encoder).")
-@click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch encoder).")
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="Default: ort with --engine, else torch.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True)
+@encoder_source
 @click.option("--seconds", type=click.FloatRange(1, 30), default=10.0, show_default=True, help="Reference length.")
 @click.option("--repeats", type=click.IntRange(1), default=5, show_default=True, help="Timed encodes (median shown).")
 @click.pass_context
