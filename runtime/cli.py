@@ -342,8 +342,8 @@ def _sizes(option: str, text: str, high: int) -> list[int]:
 
 @bench.command("decode")
 @bench_options
-@click.option("--batches", default="1,8,64", show_default=True,
-              help="Batch sizes (GPU engine: one figure each; host-driven engines: the largest, prompts decoded together).")
+@click.option("--batches", help="Batch sizes (GPU engine: one figure each; host-driven engines: the largest, prompts "
+                                "decoded together).  [default: 1,8,64; host-driven engines: up to their slots]")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs (host-driven engines).")
 def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows, batches,
                  repeats):
@@ -353,7 +353,7 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
     from .options import within
     from .prompt import build_prompt
 
-    sizes = _sizes("--batches", batches, 512)
+    sizes = _sizes("--batches", batches or "1,8,64", 512)
     within("--repeats", repeats, 1, 1000)
     within("--rows", rows, 8, 2048)
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(sizes), precision,
@@ -367,9 +367,10 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
         return
     from .bench import run_bench
 
-    within("--batches", max(sizes), 1, model.max_batch, "the engine's slots")
+    batch = max(sizes) if batches else min(max(sizes), model.max_batch)
+    within("--batches", batch, 1, model.max_batch, "the engine's slots")
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
-        click.echo(run_bench(model, [prompt] * max(sizes), sampling, repeats, rows).line())
+        click.echo(run_bench(model, [prompt] * batch, sampling, repeats, rows).line())
 
 
 @bench.command("stream")

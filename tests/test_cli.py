@@ -105,3 +105,11 @@ def test_bad_reference_codes(tiny_ckpt, tmp_path):
 def test_help_lists_commands():
     r = higgs_in_process("--help")
     assert r.exit_code == 0 and "run" in r.stdout and "tiny-checkpoint" in r.stdout
+
+
+def test_bench_decode_on_an_engine_with_few_slots_runs_with_the_defaults(tiny_engine):
+    """The default batch sizes (1, 8, 64) are for the GPU engine; a host-driven engine with 4 slots takes 4."""
+    r = higgs("bench", "decode", "--engine", tiny_engine, "--rows", 8, "--repeats", 1)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["greedy", "T=1"], r.stdout
