@@ -203,7 +203,7 @@ class GpuEngine:
         self.codec_strides = codec.dims.strides if codec is not None else None
 
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        rows = self.prefill_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)  # activation rows (prefill's most)
+        rows = self.pass_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)  # activation rows: the most one prefill pass holds
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
         self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here
@@ -360,7 +360,7 @@ class GpuEngine:
                 raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prompt {self.max_prompt}")
         group, longest = [], 0
         for join in joins:  # as many prompts at a time as the activation buffers hold, padded to the longest
-            if group and (len(group) + 1) * max(longest, len(join[1])) > self.prefill_rows:
+            if group and (len(group) + 1) * max(longest, len(join[1])) > self.pass_rows:
                 self._prefill_group(group)
                 group, longest = [], 0
             group.append(join)
