@@ -198,9 +198,11 @@ def bench_steps(cfg: HiggsConfig, batches=(1, 8, 64), context: int = 300, fp8_op
         amax = {f"body.layers.{i}.{site}": 4.0 for i in range(cfg.num_layers)
                 for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")} if fp8 else None
         t0 = time.perf_counter()
-        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=512, act_amax=amax, pdl=pdl)
+        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=512, act_amax=amax,
+                           pdl=pdl)
         floor = weight_bytes(engine) / bandwidth * 1e3  # the copy rate counts bytes read + written, as the floor's
-        say(f"{engine.precision}{' PDL' if engine.pdl else ''}: engine built and {len(engine.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s; "
+        say(f"{engine.precision}{' PDL' if engine.pdl else ''}: engine built and {len(engine.graphs)} graphs captured "
+            f"in {time.perf_counter() - t0:.1f} s; "
             f"weights read per step {weight_bytes(engine) / 1e9:.2f} GB → floor {floor:.3f} ms "
             f"(copy {bandwidth / 1e12:.2f} TB/s); peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         for b in batches:

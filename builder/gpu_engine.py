@@ -203,7 +203,8 @@ class GpuEngine:
         self.codec_strides = codec.dims.strides if codec is not None else None
 
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        rows = self.pass_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)  # activation rows: the most one prefill pass holds
+        # activation rows: the most one prefill pass holds (a decode step takes max_batch of them)
+        rows = self.pass_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
         self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here

@@ -2,12 +2,13 @@
 
 The scheduler (runtime/scheduler.py) drives every backend through the same five calls: `prefill(joins)` (a list of
 (slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n)`, `rows(keep)`,
-`release(slot)` and `codec(codes)`. The GPU engine (builder/gpu_engine.py) keeps
-each slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
+`release(slot)` and `codec(codes)`. The GPU engine (builder/gpu_engine.py) keeps each slot's decode state on the
+device; this class keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
 
-where `slot=i` runs a batch-1 call on slot i's cache (a prefill, one join at a time) and `slot=None` runs the first B slots (a step).
+where `slot=i` runs a batch-1 call on slot i's cache (a prefill, one join at a time) and `slot=None` runs the first B
+slots (a step).
 Each row is chosen here by the shared rules: the graph's greedy codes, or runtime/sampling.py's seeded sampling
 under the delay mask; then the end frame (decoding.find_end) and the row fed back, masked with that end.
 """
