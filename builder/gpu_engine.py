@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from higgs_trt.calibration.qdq import bf16_scale, quantize_weight
+from higgs_trt.calibration.qdq import bf16_scale, fake_quantize_weight, quantize_weight
 from higgs_trt.plugins import kernels as plugin_kernels
 from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime.errors import HiggsError
@@ -194,8 +194,7 @@ class GpuEngine:
         self.head = Linear(self.table)
         self.text_table = t[TEXT_EMBEDDING]
         if act_amax:  # the FP8 engine stores the text table in FP8 with a scale per row (calibration/qdq.py)
-            codes, scale = quantize_weight(self.text_table)
-            self.text_table = (codes.float() * scale[:, None]).to(torch.bfloat16)
+            self.text_table = fake_quantize_weight(self.text_table).to(torch.bfloat16)
         del t
         self.cos, self.sin = (x.to(dev) for x in rope_table(cfg, max_seq, torch.bfloat16))
         self.offsets = torch.arange(cfg.num_codebooks, device=dev) * cfg.codebook_vocab

@@ -69,15 +69,14 @@ def site_errors(checkpoint_dir: Path, amax: dict[str, float]) -> dict[str, float
     import torch
 
     from .calibrate import observe
-    from .qdq import bf16_scale, quantize_weight
+    from .qdq import bf16_scale, fake_quantize_weight
 
     sums: dict[str, list] = {}
     weights: dict[str, torch.Tensor] = {}
 
     def visit(site, module, x):
         if site not in weights:
-            w8, scale = quantize_weight(module.weight)
-            weights[site] = w8.float() * scale[:, None]
+            weights[site] = fake_quantize_weight(module.weight)
         x = x.float()
         scale = bf16_scale(amax[site])
         xq = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale

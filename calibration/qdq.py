@@ -34,6 +34,12 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def fake_quantize_weight(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as an FP8 engine multiplies it: quantized per row (quantize_weight), dequantized to fp32."""
+    codes, scale = quantize_weight(w)
+    return codes.float() * scale[:, None]
+
+
 def _source_weight(graph: ir.Graph, value: ir.Value) -> ir.Value:
     """The checkpoint initializer behind a Gemm's B input (the twin reaches it through a Cast to fp32)."""
     node = value.producer()
