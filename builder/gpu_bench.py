@@ -7,7 +7,7 @@ sets how many keys attention reads: each slot is put at `context` cached positio
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -53,41 +53,38 @@ def shapes(cfg: HiggsConfig) -> dict:
 SMS = 132  # H200 multiprocessors
 
 
-def candidates(n: int, k: int, gated: bool, fp8: bool, rows16: int = 1, swapped: int = 8) -> list[TileConfig]:
+def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[TileConfig]:
     """Tile shapes worth timing, ranked by a model of the weight read: the programs should fill every SM in whole
     waves (the last, partial wave is idle bandwidth), with enough of them resident per SM to keep loads in flight.
-    The shape in TUNED first, then the best of the 16-row form and of swapped tiles (weight rows on the MMA's M side:
-    wgmma on Hopper)."""
-    def ranked(block_ns, block_ks, swap, limit):
-        out = []
-        for block_n in block_ns:
-            for split in (1, 2, 4, 8):
-                programs = -(-n // block_n) * split
-                if programs < SMS or k // split < 256:
-                    continue
-                for block_k in block_ks:
-                    for stages in (2, 3, 4):
-                        stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 16 * 2)
-                        resident = min(4, (220 * 1024) // (stage * stages))
-                        if resident < 1:
-                            continue
-                        waves = programs / (SMS * resident)
-                        fill = waves / -(-waves // 1)
-                        warps = 8 if block_n > 64 or (fp8 and not swap) else 4
-                        out.append((fill * min(1.0, resident * stages * stage / 96e3),
-                                    TileConfig(block_n, block_k, split, warps, stages, swap)))
-        out.sort(key=lambda r: r[0], reverse=True)
-        return [tiles for _, tiles in out[:limit]]
-
+    The shape in TUNED first. 64 or 128 weight rows per tile use wgmma on Hopper, 32 mma.sync."""
+    out = []
+    for block_n in (32, 64, 128):
+        for split in (1, 2, 4, 8):
+            programs = -(-n // block_n) * split
+            if programs < SMS or k // split < 256:
+                continue
+            for block_k in (128, 256, 512) if fp8 else (64, 128, 256):
+                for stages in (2, 3, 4):
+                    stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 16 * 2)
+                    resident = min(4, (220 * 1024) // (stage * stages))
+                    if resident < 1:
+                        continue
+                    waves = programs / (SMS * resident)
+                    fill = waves / -(-waves // 1)
+                    out.append((fill * min(1.0, resident * stages * stage / 96e3),
+                                TileConfig(block_n, block_k, split, 8 if block_n > 64 else 4, stages)))
+    out.sort(key=lambda r: r[0], reverse=True)
     tuned = [TUNED[n, k, fp8]] if (n, k, fp8) in TUNED else []
-    tried = ranked((16, 32, 64, 128), (512, 1024) if fp8 else (256, 512), False, rows16)
-    tried += ranked((64, 128), (128, 256, 512) if fp8 else (64, 128, 256), True, swapped)
-    return tuned + [t for t in tried if t not in tuned]
+    return tuned + [t for _, t in out if t not in tuned][:limit]
 
 
 def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: int, copies: list) -> float:
+    """ms of one linear at M = m. FP8: x as FP8 codes, as the engine feeds every FP8 linear but o (which quantizes
+    attention's output itself)."""
     ws = Workspace(max(n, 16), 64, 1, 1, 16, 16, "cuda")
     x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        x = x.to(torch.float8_e4m3fn)
     out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
 
     def run():
@@ -97,8 +94,9 @@ def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: in
 
 
 def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, True), say=print) -> dict:
-    """Per weight shape and precision: every candidate at M=1, the best few again at M=16 and 64; the winner
-    (least M=1 + M=64 time) goes into TUNED for the rest of this process. Stops trying new shapes at the budget."""
+    """Per weight shape and precision: every candidate at M=1, the best few again at M=16, 32 and 64 (and from
+    which M the K ranges run in one program, _where_in_program); the winner (least M=1 + M=64 time) goes into TUNED
+    for the rest of this process. Stops trying new shapes at the budget."""
     t_end = time.perf_counter() + budget_s
     bandwidth = copy_bandwidth()
     say(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -124,26 +122,41 @@ def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, 
             finals = []
             for t1, tiles in results[:5]:
                 try:
-                    t16 = time_linear(n, k, gated, fp8, tiles, 16, copies)
-                    t64 = time_linear(n, k, gated, fp8, tiles, 64, copies)
-                except Exception as e:  # fits one 16-row tile but not four
+                    tiles, times = _where_in_program(n, k, gated, fp8, tiles, copies)
+                except Exception as e:  # fits 16 rows of x but not 64
                     say(f"    {tiles} at M=64: {type(e).__name__}")
                     continue
-                finals.append((t1 + t64, t1, t16, t64, tiles))
+                finals.append((t1 + times[64], t1, times, tiles))
             if not finals:
                 say(f"  {name} {'fp8' if fp8 else 'bf16'}: no tile shape ran at M=64")
                 continue
             finals.sort(key=lambda r: r[0])
-            for _, t1, t16, t64, tiles in finals[1:]:
-                say(f"    also {t1 * 1e3:7.1f} / {t16 * 1e3:7.1f} / {t64 * 1e3:7.1f} µs  {tiles}")
-            _, t1, t16, t64, tiles = finals[0]
+            for _, t1, times, tiles in finals[1:]:
+                say(f"    also {t1 * 1e3:7.1f} / {' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs  {tiles}")
+            _, t1, times, tiles = finals[0]
             best[(n, k, fp8)] = tiles
             TUNED[(n, k, fp8)] = tiles
-            say(f"  {name:<8}{'fp8' if fp8 else 'bf16':<5} N={n:<6}K={k:<6} {t1 * 1e3:7.1f} / {t16 * 1e3:7.1f} / "
-                f"{t64 * 1e3:7.1f} µs at M=1/16/64  {size / (t1 * 1e-3) / 1e12:5.2f} TB/s at M=1  "
+            say(f"  {name:<8}{'fp8' if fp8 else 'bf16':<5} N={n:<6}K={k:<6} {t1 * 1e3:7.1f} / "
+                f"{' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs at M=1/16/32/64  "
+                f"{size / (t1 * 1e-3) / 1e12:5.2f} TB/s at M=1  "
                 f"({100 * size / (t1 * 1e-3) / bandwidth:4.1f}% of copy)  {tiles}")
             del copies
     return best
+
+
+def _where_in_program(n, k, gated, fp8, tiles: TileConfig, copies) -> tuple[TileConfig, dict]:
+    """At M = 16, 32, 64: K ranges in split programs or in one program (same numbers), whichever is faster; the
+    tiles with in_program_from at the smallest M from which it stays faster, and the best time at each M."""
+    if tiles.split_k == 1:
+        return tiles, {m: time_linear(n, k, gated, fp8, tiles, m, copies) for m in (16, 32, 64)}
+    split, whole = replace(tiles, in_program_from=128), replace(tiles, in_program_from=16)
+    both = {m: [time_linear(n, k, gated, fp8, t, m, copies) for t in (split, whole)] for m in (16, 32, 64)}
+    start = 128  # 128: split programs up to 64 rows (more rows always run in one program)
+    for m in (64, 32, 16):
+        if both[m][1] >= both[m][0]:
+            break
+        start = m
+    return replace(tiles, in_program_from=start), {m: t[1] if m >= start else t[0] for m, t in both.items()}
 
 
 def _clone(lin: Linear) -> Linear:

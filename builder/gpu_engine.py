@@ -22,13 +22,13 @@ the kernel that produces them (the norms, gate|up; o quantizes attention's outpu
 bf16.
 
 Prefill takes the requests that join together, padded to the longest: their rows go through the same linear kernel
-at once, with K never split, so a row's numbers never depend on the other requests, and one decode_attention
-launch per layer attends each row to its own prompt's keys 0..row. One prompt alone replays the captured graph of
-its length bucket.
+at once, summed in the decode step's K order, so a row's numbers never depend on the other requests, and one
+decode_attention launch per layer attends each row to its own prompt's keys 0..row. One prompt alone replays the
+captured graph of its length bucket.
 """
 
 import time
-from contextlib import nullcontext
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +58,7 @@ SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for 
 # which measured 9.1 against 7.5 ms for a B=64 FP8 step on the H200.
 FP8_SPAN = 32
 FP8_CODES = torch.float8_e4m3fn
+_claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,11 @@ class TileConfig:
     split_k: int
     warps: int = 4
     stages: int = 4
-    swap: bool = False  # weight rows on the MMA's M side (gpu_kernels._dot): wgmma on Hopper from block_n 64
+    in_program_from: int = 64  # x rows per product (16/32/64) from which the K ranges run in one program
 
 
 def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig:
-    """Enough programs for every SM several times over (a GEMV is bound by its weight read), 16 output columns
+    """Enough programs for every SM several times over (a GEMV is bound by its weight read), 16 weight rows
     each, K split when the columns alone give too few programs. `higgs-trt bench linear` measures alternatives.
     On the CPU (Triton's interpreter, tests only) few large programs are fastest."""
     if device == "cpu":
@@ -83,19 +84,18 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
     return TileConfig(block_n, 512 if fp8 else 256, split)
 
 
-# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30: the best of 10-12 shapes each by M=1 + M=64 time);
-# shapes not listed use default_tiles. (N, K, fp8) → tiles. Swapped tiles won everywhere but the BF16 gate|up. FP8
-# re-timed with FP8_SPAN 32 (same day, later run; repeated timings of one shape varied by up to 20 %).
+# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30: the best of 10 shapes each by M=1 + M=64 time);
+# shapes not listed use default_tiles. (N, K, fp8) → tiles; µs at M = 1 / 64.
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
-    (9728, 2560, False): TileConfig(32, 256, 1),  # gate|up: 34.4 µs at M=1, 42.5 at M=64
-    (9728, 2560, True): TileConfig(64, 256, 8, 4, 2, swap=True),  # 23.9 / 66.9
-    (2560, 9728, False): TileConfig(64, 64, 8, 4, 3, swap=True),  # down: 18.6 / 25.1
-    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, swap=True),  # 10.2-11.5 / 36.3-46.1
-    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, swap=True),  # q|k|v: 12.1 / 20.9
-    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, swap=True),  # 9.1 / 30.4
-    (2560, 4096, False): TileConfig(64, 64, 8, 4, 3, swap=True),  # o: 10.4 / 15.1
-    (2560, 4096, True): TileConfig(64, 128, 8, 4, 2, swap=True),  # 8.6 / 24.3
-    (8208, 2560, False): TileConfig(128, 128, 4, 8, 3, swap=True),  # audio head: 16.5 / 25.4
+    (9728, 2560, False): TileConfig(32, 256, 1, 4, 3),  # gate|up: 3.06 / 4.87 ms whole steps (README)
+    (9728, 2560, True): TileConfig(32, 256, 4, 4, 4, 64),  # 21.1 / 35.1
+    (2560, 9728, False): TileConfig(64, 64, 8, 4, 3, 128),  # down: 18.0 / 23.9
+    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),  # 10.7 / 19.0
+    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, 64),  # q|k|v: 11.5 / 16.3
+    (6144, 2560, True): TileConfig(32, 256, 2, 4, 4, 128),  # 8.6 / 12.7
+    (2560, 4096, False): TileConfig(64, 64, 8, 4, 3, 128),  # o: 9.9 / 14.0
+    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128),  # 7.5 / 12.8
+    (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128),  # audio head: 14.2 / 20.1
 }
 
 
@@ -118,15 +118,14 @@ class Linear:
         return w8.contiguous(), scale.to(w.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, m: int, workspace: "Workspace",
-                 residual: bool = False, tiles: TileConfig | None = None, whole_k: bool = False,
-                 out_scale: float = 1.0) -> None:
-        """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...). whole_k: one K order for any m
-        (prefill; a decode step's m ≤ 64 splits K for parallelism). An FP8 x holds codes at this linear's activation
-        scale; an FP8 out gets codes at out_scale."""
+                 residual: bool = False, tiles: TileConfig | None = None, out_scale: float = 1.0) -> None:
+        """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...), every row summed in the same K
+        order whatever m is (decode or prefill). An FP8 x holds codes at this linear's activation scale; an FP8 out
+        gets codes at out_scale."""
         t = tiles or self.tiles
-        split = t.split_k if m <= 64 and not whole_k else 1
-        rows = 16 * min(4, -(-m // 16))
-        grid = (-(-m // rows), -(-self.n // t.block_n), split)  # prefill: the row chunks in parallel
+        rows = min(64, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16, 32 or 64
+        in_program = t.split_k > 1 and (rows >= t.in_program_from or m > rows)
+        grid = (-(-m // rows), -(-self.n // t.block_n), 1 if in_program else t.split_k)
         # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
         stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
         stages = max(2, min(t.stages, SHARED_MEMORY // stage))
@@ -134,10 +133,11 @@ class Linear:
             x, self.weight, self.up if self.up is not None else self.weight,
             self.scale if self.fp8 else x, self.up_scale if self.up_scale is not None else x,
             out, out, workspace.partials, workspace.tickets, m, self.x_scale, out_scale,
-            N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split, TILES=rows // 16,
+            N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, ROWS=rows,
             FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
-            SWAP=t.swap, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0, X_FP8=x.dtype == FP8_CODES,
-            OUT_FP8=out.dtype == FP8_CODES, launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages)
+            SPLITS_IN_PROGRAM=in_program, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0,
+            X_FP8=x.dtype == FP8_CODES, OUT_FP8=out.dtype == FP8_CODES, launch_pdl=workspace.pdl, num_warps=t.warps,
+            num_stages=stages)
 
 
 class Workspace:
@@ -236,9 +236,13 @@ class GpuEngine:
 
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.bucket_of = [0] + [next(b for b in self.buckets if b >= n) for n in range(1, max_batch + 1)]
         pinned = dev.type == "cuda"
         self.host_codes = [torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.host_first = torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned)
+        self.host_codes_np = [t.numpy() for t in self.host_codes]
+        self.host_first_np = self.host_first.numpy()
+        self.first_slots = {n: list(range(n)) for n in self.buckets}  # the slots a step of bucket n covers
         self.epochs = [0] * max_batch  # bumped by each prefill: rows launched before it belong to the old request
         self.live = [False] * max_batch
         self.pending: list = []  # launches whose codes the host has not read: (event, kind, slots, epochs, parity)
@@ -323,7 +327,7 @@ class GpuEngine:
                                         **self._launch())
 
     def _bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+        return self.bucket_of[n]
 
     def _capture_all(self) -> None:
         """One graph per (bucket, parity), captured once: the parity picks the pinned buffer its codes go to."""
@@ -352,8 +356,8 @@ class GpuEngine:
     @torch.inference_mode()
     def prefill(self, joins: list[tuple[int, Prompt, Sampling]]) -> None:
         """Fill each join's slot from its prompt and choose its row 0 on the device. The prompts' rows go through
-        the GEMMs together (K never split, so a row's result does not depend on the others) and each row attends to
-        its own prompt's keys: a request prefills to the same state alone or with others."""
+        the GEMMs together (one K order for any number of rows, so a row's result does not depend on the others) and
+        each row attends to its own prompt's keys: a request prefills to the same state alone or with others."""
         t0 = time.perf_counter()
         for _, prompt, _ in joins:
             if len(prompt) > self.max_prompt:
@@ -374,18 +378,18 @@ class GpuEngine:
         bucket = next((b for b in self.prompt_buckets if b >= longest), None)
         graph = self.graphs.get(("prompt", bucket)) if g == 1 else None
         length = bucket if graph is not None else longest
-        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-            self._stage_prompts([prompt for _, prompt, _ in group], length)
-            if graph is not None:
-                graph.replay()
-            else:
-                self._prefill_padded(g, length)
-            stage = self._stage_view(g, length)
-            for j, (slot, prompt, sampling) in enumerate(group):
-                n = len(prompt)
-                self.caches[:, :, slot, :, :n].copy_(stage[:, :, j, :, :n])
-                self._start(slot, n, sampling, self.logits[j:j + 1])
-            self._record("first", [slot for slot, _, _ in group])
+        self._claim_stream()
+        self._stage_prompts([prompt for _, prompt, _ in group], length)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._prefill_padded(g, length)
+        stage = self._stage_view(g, length)
+        for j, (slot, prompt, sampling) in enumerate(group):
+            n = len(prompt)
+            self.caches[:, :, slot, :, :n].copy_(stage[:, :, j, :, :n])
+            self._start(slot, n, sampling, self.logits[j:j + 1])
+        self._record("first", [slot for slot, _, _ in group])
 
     def _stage_prompts(self, prompts: list[Prompt], length: int) -> None:
         """Prefill input: each prompt padded with text token 0 to `length` rows, one after another, and the index
@@ -412,9 +416,10 @@ class GpuEngine:
             cfg.num_layers, 2, g, cfg.num_kv_heads, length, cfg.head_dim)
 
     def _prefill_padded(self, g: int, length: int) -> None:
-        """g staged prompts of `length` rows through every layer (rows of different prompts share each GEMM, K never
-        split, so a row's numbers depend neither on the others nor on the padding), their keys and values into the
-        stage, the logits of each one's last row into logits[:g]. A captured graph for g = 1."""
+        """g staged prompts of `length` rows through every layer (rows of different prompts share each GEMM, whose K
+        order does not depend on the rows, so a row's numbers depend neither on the others nor on the padding), their
+        keys and values into the stage, the logits of each one's last row into logits[:g]. A captured graph for
+        g = 1."""
         cfg, ws = self.cfg, self.workspace
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         p = g * length
@@ -427,7 +432,7 @@ class GpuEngine:
         heads = self.heads[:p].view(g, hq, length, d)
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm, p, layer.qkv)
-            layer.qkv(x, qkv, p, ws, whole_k=True)
+            layer.qkv(x, qkv, p, ws)
             k_stage, v_stage = stage[i, 0], stage[i, 1]
             plugin_kernels.qk_norm_rope_kv_write[(p,)](
                 qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, self.prompt_start, q, k_stage, v_stage, length,
@@ -441,24 +446,23 @@ class GpuEngine:
                 heads, k_stage, v_stage, self.prompt_start, length, length, out, Q_HEADS=hq, KV_HEADS=hkv,
                 HEAD_DIM=d, BLOCK_Q=PROMPT_Q_BLOCK, BLOCK_S=ATTENTION_BLOCK)
             attn.view(g, length, hq, d).copy_(out.transpose(1, 2))
-            layer.o(attn, h, p, ws, residual=True, whole_k=True)
+            layer.o(attn, h, p, ws, residual=True)
             x = self._norm(h, layer.post_norm, p, layer.gate_up)
-            layer.gate_up(x, act, p, ws, whole_k=True, out_scale=layer.down.x_scale)
-            layer.down(act, h, p, ws, residual=True, whole_k=True)
+            layer.gate_up(x, act, p, ws, out_scale=layer.down.x_scale)
+            layer.down(act, h, p, ws, residual=True)
         x = self._norm(h.index_select(0, self.prompt_last[:g]), self.final_norm, g)
-        self.head(x, self.logits[:g], g, ws, whole_k=True)
+        self.head(x, self.logits[:g], g, ws)
 
     def _start(self, slot: int, n: int, sampling: Sampling, logits: torch.Tensor) -> None:
         """A slot whose n prompt rows are cached starts decoding: its state, and row 0 chosen from `logits`."""
         cfg = self.cfg
-        self.write_pos[slot] = n - 1  # advance_slots moves it to n, where row 0 is fed back
-        self.row_index[slot] = 0
-        self.end_frame[slot] = int(NO_END)
-        self.active[slot] = 1
-        self.temperature[slot] = max(sampling.temperature, 0.0)
-        self.top_k[slot] = min(sampling.top_k, cfg.codebook_vocab)  # k ≥ the vocabulary keeps every code
-        self.top_p[slot] = sampling.top_p
-        self.seed[slot] = sampling.seed
+        # fill_ launches a kernel; `tensor[slot] = value` would copy from pageable memory and wait for the stream
+        for state, value in ((self.write_pos, n - 1),  # advance_slots moves it to n, where row 0 is fed back
+                             (self.row_index, 0), (self.end_frame, int(NO_END)), (self.active, 1),
+                             (self.temperature, max(sampling.temperature, 0.0)),
+                             (self.top_k, min(sampling.top_k, cfg.codebook_vocab)),  # ≥ the vocabulary: every code
+                             (self.top_p, sampling.top_p), (self.seed, sampling.seed)):
+            state[slot:slot + 1].fill_(value)
         codes = self.codes[slot:slot + 1]
         self._choose(1, logits, self.h[slot:slot + 1], codes, slot)
         self._advance(slot, 1)
@@ -466,16 +470,25 @@ class GpuEngine:
         self.epochs[slot] += 1
         self.live[slot] = True
 
+    def _claim_stream(self) -> None:
+        """Make the engine's stream the calling thread's current one, where every later launch of this thread goes
+        (the thread that drives an engine runs on its stream). Once per thread and engine: `with
+        torch.cuda.stream(...)` around each step cost 9 µs of host time on the H200's host, more than the step's
+        graph launch (6.6 µs)."""
+        if self.stream is not None and getattr(_claimed, "stream", None) is not self.stream:
+            torch.cuda.set_stream(self.stream)
+            _claimed.stream = self.stream
+
     def step(self, n: int) -> None:
         """One row for every active slot below n (inactive ones compute a row nobody reads)."""
         n = self._bucket(n)
-        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-            if self.graphs:
-                self.graphs[n, self.parity].replay()
-            else:
-                self._decode(n)
-                self.host_codes[self.parity][:n].copy_(self.codes[:n])
-            self._record("step", list(range(n)), self.parity)
+        self._claim_stream()
+        if self.graphs:
+            self.graphs[n, self.parity].replay()
+        else:
+            self._decode(n)
+            self.host_codes[self.parity][:n].copy_(self.codes[:n])
+        self._record("step", self.first_slots[n], self.parity)
         self.parity ^= 1
 
     def _record(self, kind: str, slots: list[int], parity: int = 0) -> None:
@@ -496,7 +509,7 @@ class GpuEngine:
                 event.synchronize()
                 self.waited += time.perf_counter() - t0
                 self.events.append(event)
-            codes = (self.host_first if kind == "first" else self.host_codes[parity]).numpy()
+            codes = self.host_first_np if kind == "first" else self.host_codes_np[parity]
             out += [(s, codes[s].copy()) for s, e in zip(slots, epochs) if self._live(s, e)]
         return out
 
@@ -505,14 +518,14 @@ class GpuEngine:
 
     def release(self, slot: int) -> None:
         self.live[slot] = False
-        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-            self.active[slot] = 0
+        self._claim_stream()
+        self.active[slot:slot + 1].fill_(0)
 
     @torch.inference_mode()
     def codec(self, codes: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
-        with torch.cuda.stream(self.stream) if self.stream else nullcontext():
-            audio = self.codec_model(torch.from_numpy(codes).to(self.device)).cpu().numpy()
+        self._claim_stream()
+        audio = self.codec_model(torch.from_numpy(codes).to(self.device)).cpu().numpy()
         self.codec_seconds.append(time.perf_counter() - t0)
         del self.codec_seconds[:-64]
         return audio

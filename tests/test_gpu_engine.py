@@ -38,7 +38,7 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
     ws = Workspace(n, 64, 1, 1, 16, 16, "cuda")
     x = torch.randn(64, k, device="cuda", generator=g).bfloat16()
     outs = {}
-    for m in (1, 5, 16, 37, 64):
+    for m in (1, 5, 16, 20, 37, 64):  # 16, 32 and 64 rows per product
         out = torch.full((64, n), float("nan"), device="cuda").bfloat16()
         lin(x, out, m, ws)
         torch.cuda.synchronize()

@@ -32,7 +32,7 @@ def run(body: str) -> None:
 
 
 LINEAR = """
-def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k=32, swap=False):
+def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k=32, in_program=None):
     m, k = x.shape
     n = w.shape[0]
     amax = float(x.float().abs().max())
@@ -40,10 +40,12 @@ def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k
     (w8, ws), (u8, us) = (quantize_weight(w), quantize_weight(up if up is not None else w)) if fp8 else ((w, x), (up, x))
     out = residual.clone() if residual is not None else torch.full((m, n), float("nan")).bfloat16()
     partials, tickets = torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32)
-    gpu_kernels.linear[(-(-m // 64) if m > 64 else 1, -(-n // block_n), split)](
+    rows = min(64, max(16, 1 << (m - 1).bit_length()))
+    in_program = m > rows if in_program is None else in_program  # the engine's rule at its smallest threshold
+    gpu_kernels.linear[(-(-m // rows), -(-n // block_n), 1 if in_program else split)](
         x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, 1.0, N=n, K=k, BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_K=split, TILES=min(4, -(-m // 16)), FP8=fp8, GATED=up is not None,
-        RESIDUAL=residual is not None, OUT_F32=False, SWAP=swap)
+        BLOCK_K=block_k, SPLIT_K=split, ROWS=rows, FP8=fp8, GATED=up is not None,
+        RESIDUAL=residual is not None, OUT_F32=False, SPLITS_IN_PROGRAM=in_program)
     assert not tickets.any()  # every split-K ticket counter is reset for the next launch
     # reference: the same quantisation, fp32 products and sums, the kernel's bf16 rounding points
     if fp8:
@@ -70,17 +72,32 @@ def close(out, ref, scale):
 
 def test_linear_matches_the_exact_gemm_in_every_mode():
     run(LINEAR + """
-for m, n, k, split, bn, bk, swap in [(1, 48, 64, 1, 16, 32, False), (5, 40, 96, 2, 16, 32, False),
-                                     (20, 64, 64, 4, 32, 16, False), (70, 32, 80, 1, 16, 32, False),
-                                     (33, 24, 64, 1, 16, 32, False), (1, 80, 64, 1, 64, 32, True),
-                                     (20, 64, 96, 2, 32, 32, True), (70, 72, 80, 1, 64, 16, True)]:
+for m, n, k, split, bn, bk in [(1, 48, 64, 1, 16, 32), (5, 40, 96, 2, 16, 32), (20, 64, 64, 4, 32, 16),
+                               (70, 32, 80, 1, 16, 32), (33, 24, 64, 1, 16, 32), (1, 80, 64, 1, 64, 32),
+                               (20, 64, 96, 2, 32, 32), (70, 72, 80, 1, 64, 16), (70, 40, 96, 3, 32, 16)]:
     x = torch.randn(m, k).bfloat16()
     w, up = (torch.randn(n, k) / k ** 0.5).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
     res = torch.randn(m, n).bfloat16()
     for fp8 in (False, True):
-        close(*linear(x, w, fp8=fp8, split=split, block_n=bn, block_k=bk, swap=swap))
-        close(*linear(x, w, fp8=fp8, residual=res, split=split, block_n=bn, block_k=bk, swap=swap))
-        close(*linear(x, w, up, fp8=fp8, split=split, block_n=bn, block_k=bk, swap=swap))
+        close(*linear(x, w, fp8=fp8, split=split, block_n=bn, block_k=bk))
+        close(*linear(x, w, fp8=fp8, residual=res, split=split, block_n=bn, block_k=bk))
+        close(*linear(x, w, up, fp8=fp8, split=split, block_n=bn, block_k=bk))
+""")
+
+
+def test_k_ranges_in_one_program_equal_split_programs_bit_for_bit():
+    """The K ranges summed one after another in one program (many rows) give the numbers that split programs and
+    their reduction give (few rows), so the engine picks either by the number of rows without changing a row."""
+    run(LINEAR + """
+m, n, k = 12, 40, 200  # 5 ranges of 64: the fourth is short, the fifth empty
+x = torch.randn(m, k).bfloat16()
+w, up = (torch.randn(n, k) / k ** 0.5).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
+res = torch.randn(m, n).bfloat16()
+for fp8 in (False, True):
+    for args in (dict(), dict(up=up), dict(residual=res)):
+        a = linear(x, w, fp8=fp8, split=5, block_k=32, in_program=False, **args)[0]
+        b = linear(x, w, fp8=fp8, split=5, block_k=32, in_program=True, **args)[0]
+        assert torch.equal(a, b), (fp8, args.keys())
 """)
 
 
@@ -95,20 +112,20 @@ xs, next_scale = float(bf16_scale(float(x.float().abs().max()))), 0.004
 (w8, ws), (u8, us) = quantize_weight(w), quantize_weight(up)
 quantized = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
 
-def call(inp, out, split, gated, swap):
+def call(inp, out, split, gated):
     gpu_kernels.linear[(1, n // 32, split)](
         inp, w8, u8 if gated else w8, ws, us, out, out, torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32),
-        m, xs, next_scale, N=n, K=k, BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, TILES=1, FP8=True, GATED=gated,
-        RESIDUAL=False, OUT_F32=False, SWAP=swap, X_FP8=inp.dtype == torch.float8_e4m3fn,
+        m, xs, next_scale, N=n, K=k, BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, ROWS=16, FP8=True, GATED=gated,
+        RESIDUAL=False, OUT_F32=False, X_FP8=inp.dtype == torch.float8_e4m3fn,
         OUT_FP8=out.dtype == torch.float8_e4m3fn)
     return out
 
-for split, gated, swap in ((1, False, False), (3, True, False), (2, False, True), (1, True, True)):
-    bf16 = call(x, torch.zeros(m, n).bfloat16(), split, gated, swap)
-    assert torch.equal(call(quantized, torch.zeros(m, n).bfloat16(), split, gated, swap), bf16)
-    codes = call(x, torch.zeros(m, n, dtype=torch.float8_e4m3fn), split, gated, swap)
+for split, gated in ((1, False), (3, True), (2, False), (1, True)):
+    bf16 = call(x, torch.zeros(m, n).bfloat16(), split, gated)
+    assert torch.equal(call(quantized, torch.zeros(m, n).bfloat16(), split, gated), bf16)
+    codes = call(x, torch.zeros(m, n, dtype=torch.float8_e4m3fn), split, gated)
     expected = (bf16.float() / next_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8)), (split, gated, swap)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8)), (split, gated)
 """)
 
 
@@ -117,15 +134,15 @@ def test_linear_rows_do_not_depend_on_the_batch():
 k, n = 96, 48
 w = (torch.randn(n, k) / k ** 0.5).bfloat16()
 row = torch.randn(1, k).bfloat16()
-for fp8, swap in ((False, False), (True, False), (False, True), (True, True)):
-    alone = linear(row, w, fp8=fp8, split=2, swap=swap)[0]
+for fp8 in (False, True):
+    alone = linear(row, w, fp8=fp8, split=2)[0]
     for m, at in ((3, 2), (16, 9), (37, 20), (64, 63)):
         x = torch.randn(m, k).bfloat16()
         x[at] = row[0]
         # same static activation scale as alone (a per-tensor scale is a constant of the model, not of the batch)
         x = x.clamp(-float(row.float().abs().max()), float(row.float().abs().max()))
-        got = linear(x, w, fp8=fp8, split=2, swap=swap)[0][at]
-        assert torch.equal(got, alone[0]), (fp8, swap, m)
+        got = linear(x, w, fp8=fp8, split=2)[0][at]
+        assert torch.equal(got, alone[0]), (fp8, m)
 """)
 
 
