@@ -83,6 +83,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_rows = prefill_rows
         self.slots: list[Request | None] = [None] * engine.max_batch
+        self.occupied: list[int] = []  # the slots holding a request, ascending (kept, not scanned: host time per row)
         self.queue: deque[Request] = deque()
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
@@ -105,7 +106,7 @@ class Scheduler:
 
     @property
     def busy(self) -> int:
-        return sum(r is not None for r in self.slots)
+        return len(self.occupied)
 
     @property
     def waiting(self) -> int:
@@ -120,6 +121,7 @@ class Scheduler:
             requests = [*self.queue, *(r for r in self.slots if r is not None)]
             self.queue.clear()
         self.slots = [None] * len(self.slots)
+        self.occupied = []
         for request in requests:
             if not request.cancelled:
                 request.error = request.error or error
@@ -134,28 +136,30 @@ class Scheduler:
         """One iteration; False when there is nothing left to do."""
         if self.queue:
             self._admit()
-        busy = [s for s, r in enumerate(self.slots) if r is not None]
+        busy = self.occupied
         if busy:
             self.engine.step(busy[-1] + 1)
         for slot, codes in self.engine.rows(keep=self.engine.lag if busy else 0):
             request = self.slots[slot]
             if request is not None and not request.utterance.done:
                 request.utterance.push(codes)
-        windows, left = [], len(busy)
+        windows, freed = [], False
         for slot in busy:
             request = self.slots[slot]
             if request.cancelled or request.utterance.done:
                 self.engine.release(slot)
                 self.slots[slot] = None
-                left -= 1
+                freed = True
             if request.cancelled:
                 self._finish(request)
             else:
                 windows += self._due(request)
+        if freed:
+            self.occupied = [s for s in busy if self.slots[s] is not None]
         if windows:
             self._decode(windows)
         with self.lock:
-            return bool(self.queue) or left > 0
+            return bool(self.queue) or bool(self.occupied)
 
     def _admit(self) -> None:
         """Queued requests take free slots, in one prefill call (a failed call fails them all: lengths were checked
@@ -187,6 +191,7 @@ class Scheduler:
             return
         for slot, request in joins:
             self.slots[slot] = request
+        self.occupied = sorted(self.occupied + [slot for slot, _ in joins])
 
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""
