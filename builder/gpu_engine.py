@@ -498,8 +498,8 @@ class GpuEngine:
             event.record(self.stream)
         self.pending.append((event, kind, slots, [self.epochs[s] for s in slots], parity))
 
-    def rows(self, keep: int = 0) -> list[tuple[int, np.ndarray]]:
-        """(slot, codes [8]) of every launch done, oldest first, waiting until at most `keep` are pending; rows of
+    def rows(self, keep: int = 0) -> list[tuple[int, list[int]]]:
+        """(slot, its 8 codes) of every launch done, oldest first, waiting until at most `keep` are pending; rows of
         slots released or refilled since their launch are dropped."""
         out = []
         while self.pending and (len(self.pending) > keep or self.pending[0][0] is None or self.pending[0][0].query()):
@@ -509,8 +509,8 @@ class GpuEngine:
                 event.synchronize()
                 self.waited += time.perf_counter() - t0
                 self.events.append(event)
-            codes = self.host_first_np if kind == "first" else self.host_codes_np[parity]
-            out += [(s, codes[s].copy()) for s, e in zip(slots, epochs) if self._live(s, e)]
+            codes = (self.host_first_np if kind == "first" else self.host_codes_np[parity])[:max(slots) + 1].tolist()
+            out += [(s, codes[s]) for s, e in zip(slots, epochs) if self._live(s, e)]
         return out
 
     def _live(self, slot: int, epoch: int) -> bool:

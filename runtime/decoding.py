@@ -92,33 +92,30 @@ class Utterance:
 
     max_rows: int
     stop_rules: bool = True  # False: only the row cap ends it (benchmarks fix the length: random weights repeat rows)
-    rows: list = field(default_factory=list)
+    rows: list = field(default_factory=list)  # each row's 8 codes, as a list
     end_frame: int | None = None
     stop_reason: str | None = None
     _repeats: int = 0
-    _codes: list = field(default_factory=list)  # the rows as lists
     _frames: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return self.stop_reason is not None
 
-    def push(self, row: np.ndarray) -> None:
+    def push(self, row) -> None:
         """One row; the host's per-row work, so plain Python on the row's list of codes (numpy calls on 8 values
         cost several µs each)."""
         assert not self.done, "push after the utterance ended"
         j = len(self.rows)
-        row = np.array(row, dtype=np.int32)  # a copy: backends may reuse their output buffers
-        codes = row.tolist()
+        codes = row.tolist() if isinstance(row, np.ndarray) else list(row)  # a copy: backends reuse their buffers
         if EOC in codes:
-            end = find_end(row, j, NO_END if self.end_frame is None else self.end_frame)
+            end = find_end(codes, j, NO_END if self.end_frame is None else self.end_frame)
             self.end_frame = None if end == NO_END else int(end)
-        self._repeats = self._repeats + 1 if j and codes == self._codes[-1] else 1
-        self.rows.append(row)
-        self._codes.append(codes)
+        self._repeats = self._repeats + 1 if j and codes == self.rows[-1] else 1
+        self.rows.append(codes)
         if j >= NUM_CODEBOOKS - 1:
             t = j - NUM_CODEBOOKS + 1
-            self._frames.append([self._codes[t + k][k] for k in range(NUM_CODEBOOKS)])
+            self._frames.append([self.rows[t + k][k] for k in range(NUM_CODEBOOKS)])
         if not self.stop_rules:
             self.stop_reason = "cap" if len(self.rows) >= self.max_rows else None
         elif self.end_frame is not None and len(self.rows) >= self.rows_needed(self.end_frame):
