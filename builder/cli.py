@@ -67,7 +67,8 @@ def bench_kernels():
 @click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True,
               help="Which weights' tile shapes to time (the audio head is bf16 in both).")
 def bench_linear(budget, precision):
-    """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1, 16, 64 (needs a GPU)."""
+    """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1, 16, 32, 64 (needs a
+    GPU)."""
     with extras.needed("gpu", "bench linear"):
         from higgs_trt.builder.config import HiggsConfig
         from higgs_trt.builder.gpu_bench import sweep_linear
