@@ -146,7 +146,8 @@ def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, 
 
 def _where_in_program(n, k, gated, fp8, tiles: TileConfig, copies) -> tuple[TileConfig, dict]:
     """At M = 16, 32, 64: K ranges in split programs or in one program (same numbers), whichever is faster; the
-    tiles with in_program_from at the smallest M from which it stays faster, and the best time at each M."""
+    tiles with in_program_from at the smallest M from which one program stays faster, and the time at each M in the
+    mode those tiles choose."""
     if tiles.split_k == 1:
         return tiles, {m: time_linear(n, k, gated, fp8, tiles, m, copies) for m in (16, 32, 64)}
     split, whole = replace(tiles, in_program_from=128), replace(tiles, in_program_from=16)

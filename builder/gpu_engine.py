@@ -242,7 +242,7 @@ class GpuEngine:
         self.host_first = torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned)
         self.host_codes_np = [t.numpy() for t in self.host_codes]
         self.host_first_np = self.host_first.numpy()
-        self.first_slots = {n: list(range(n)) for n in self.buckets}  # the slots a step of bucket n covers
+        self.step_slots = {n: list(range(n)) for n in self.buckets}  # the slots a step of bucket n covers
         self.epochs = [0] * max_batch  # bumped by each prefill: rows launched before it belong to the old request
         self.live = [False] * max_batch
         self.pending: list = []  # launches whose codes the host has not read: (event, kind, slots, epochs, parity)
@@ -488,7 +488,7 @@ class GpuEngine:
         else:
             self._decode(n)
             self.host_codes[self.parity][:n].copy_(self.codes[:n])
-        self._record("step", self.first_slots[n], self.parity)
+        self._record("step", self.step_slots[n], self.parity)
         self.parity ^= 1
 
     def _record(self, kind: str, slots: list[int], parity: int = 0) -> None:
