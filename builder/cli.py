@@ -66,14 +66,32 @@ def bench_kernels():
 @click.option("--budget", type=float, default=300.0, show_default=True, help="Seconds to spend trying tile shapes.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True,
               help="Which weights' tile shapes to time (the audio head is bf16 in both).")
-def bench_linear(budget, precision):
+@click.option("--tiles", type=click.Choice(["narrow", "wide", "persistent", "all"]), default="all", show_default=True,
+              help="narrow: the tiles of up to 16 rows (they fix each shape's K ranges and MMA); wide: the tiles of "
+                   "17 to 64 rows, within those; persistent: the narrow tiles with fewer programs than units.")
+def bench_linear(budget, precision, tiles):
     """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1, 16, 32, 64 (needs a
-    GPU)."""
+    GPU). With --tiles all the budget is split between the sweeps, each starting from the previous one's winners."""
     with extras.needed("gpu", "bench linear"):
-        from higgs_trt.builder.config import HiggsConfig
-        from higgs_trt.builder.gpu_bench import sweep_linear
+        from higgs_trt.builder.gpu_bench import HIGGS_V3, sweep_linear, sweep_persistent, sweep_wide
     fp8_options = {"bf16": (False,), "fp8": (True,), "both": (False, True)}[precision]
-    sweep_linear(HiggsConfig(2560, 36, 32, 8, 128, 9728, 151936, 1e-6, 1e6, 32768), budget, fp8_options, say=click.echo)
+    sweeps = {"narrow": ("narrow tiles (M = 1 to 16)", sweep_linear),
+              "wide": ("wide tiles (M = 17 to 64)", sweep_wide),
+              "persistent": ("persistent programs (M = 1 to 16)", sweep_persistent)}
+    chosen = list(sweeps) if tiles == "all" else [tiles]
+    for name in chosen:
+        title, sweep = sweeps[name]
+        click.echo(title)
+        sweep(HIGGS_V3, budget / len(chosen), fp8_options, say=click.echo)
+
+
+@click.command("attention")
+def bench_attention():
+    """The GPU engine's decode attention at Higgs v3's heads: chunk, key block, warps and stages timed at B = 1, 64
+    and 300, 1000 cached positions (needs a GPU)."""
+    with extras.needed("gpu", "bench attention"):
+        from higgs_trt.builder.gpu_bench import HIGGS_V3, sweep_attention
+    sweep_attention(HIGGS_V3, say=click.echo)
 
 
 @click.command("export")
@@ -378,4 +396,4 @@ def tiny_checkpoint(out_dir, seed, shards, size):
 
 
 COMMANDS = [export, build, calibrate, compare, tiny_checkpoint]
-BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_checkpoint, bench_linear]
+BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_checkpoint, bench_linear, bench_attention]

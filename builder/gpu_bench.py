@@ -19,6 +19,7 @@ from .gpu_engine import BUCKETS, TUNED, GpuEngine, Linear, TileConfig, Workspace
 from .model import HiggsLM
 
 REPS = 30
+HIGGS_V3 = HiggsConfig(2560, 36, 32, 8, 128, 9728, 151936, 1e-6, 1e6, 32768)  # the decoder's dimensions
 
 
 def random_tensors(cfg: HiggsConfig, device: str = "cuda", seed: int = 0) -> dict:
@@ -74,7 +75,7 @@ def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[
                     out.append((fill * min(1.0, resident * stages * stage / 96e3),
                                 TileConfig(block_n, block_k, split, 8 if block_n > 64 else 4, stages)))
     out.sort(key=lambda r: r[0], reverse=True)
-    tuned = [TUNED[n, k, fp8]] if (n, k, fp8) in TUNED else []
+    tuned = [replace(TUNED[n, k, fp8], wide=None)] if (n, k, fp8) in TUNED else []
     return tuned + [t for _, t in out if t not in tuned][:limit]
 
 
@@ -107,11 +108,8 @@ def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, 
             if time.perf_counter() > t_end:
                 say(f"  {name} {'fp8' if fp8 else 'bf16'}: skipped (time budget)")
                 continue
-            amax = 4.0 if fp8 else None
-            one = Linear(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
-                         torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 if gated else None, act_amax=amax)
-            size = one.weight.nbytes * (2 if gated else 1)
-            copies = [one] + [_clone(one) for _ in range(max(1, -(-200_000_000 // size)) - 1)]  # past the L2
+            copies = _copies(n, k, gated, fp8)
+            size = copies[0].weight.nbytes * (2 if gated else 1)
             results = []
             for tiles in candidates(n, k, gated, fp8):
                 try:
@@ -134,14 +132,159 @@ def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, 
             for _, t1, times, tiles in finals[1:]:
                 say(f"    also {t1 * 1e3:7.1f} / {' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs  {tiles}")
             _, t1, times, tiles = finals[0]
-            best[(n, k, fp8)] = tiles
-            TUNED[(n, k, fp8)] = tiles
+            best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles = _keep_wide(tiles, TUNED.get((n, k, fp8)))
             say(f"  {name:<8}{'fp8' if fp8 else 'bf16':<5} N={n:<6}K={k:<6} {t1 * 1e3:7.1f} / "
                 f"{' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs at M=1/16/32/64  "
                 f"{size / (t1 * 1e-3) / 1e12:5.2f} TB/s at M=1  "
                 f"({100 * size / (t1 * 1e-3) / bandwidth:4.1f}% of copy)  {tiles}")
             del copies
     return best
+
+
+def wide_candidates(base: TileConfig, n: int, k: int, gated: bool, fp8: bool, limit: int = 14) -> list[TileConfig]:
+    """Tiles for more than 16 rows of x that sum every row as `base` does (its K ranges, its MMA family), ranked by
+    a model: enough programs for two waves, and as many weight bytes in flight per SM as shared memory allows."""
+    out = []
+    family = (64, 128) if base.block_n >= 64 else (16, 32)
+    modes = (16, 128) if base.split_k > 1 else (64,)  # K ranges in one program from 16 rows, or split up to 64
+    for block_n in family:
+        for block_k in (128, 256, 512) if fp8 else (64, 128, 256):
+            for rows in (16, 32, 64):
+                for in_program_from in modes if rows == 64 else modes[:1]:  # under 64 rows, M=64 runs in program
+                    split = 1 if in_program_from <= rows else base.split_k
+                    programs = -(-64 // rows) * -(-n // block_n) * split
+                    weights = block_k * block_n * (1 if fp8 else 2) * (2 if gated else 1)
+                    stage = weights + block_k * rows * 2
+                    for stages in (2, 3, 4):
+                        resident = min(4, (220 * 1024) // (stage * stages))
+                        if resident < 1 or k // split < block_k:
+                            continue
+                        fill = min(1.0, programs / (2 * SMS))
+                        in_flight = min(1.0, resident * (stages - 1) * weights / 64e3)
+                        score = fill * in_flight / (1 + 0.1 * (64 // rows - 1))  # each program re-reads its weights
+                        warps = 8 if block_n * rows >= 128 * 32 else 4
+                        out.append((score, TileConfig(block_n, block_k, base.split_k, warps, stages, in_program_from,
+                                                      rows)))
+    out.sort(key=lambda r: r[0], reverse=True)
+    current = [base.wide] if base.wide is not None else []
+    return current + [t for _, t in out if t not in current][:limit]
+
+
+def sweep_wide(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, True), say=print) -> dict:
+    """Per weight shape and MMA family (mma.sync below 64 weight rows per tile, wgmma from 64): the narrow tiles of
+    that family (TUNED's, or the best of a few at M=1), and the wide ones (wide_candidates) timed at M=64, the best
+    two again at M=20 and 32. The family with the least M=1 + M=64 time goes into TUNED, with its wide tiles where
+    they beat the narrow ones at M=64."""
+    t_end = time.perf_counter() + budget_s
+    best = {}
+    for name, (n, k, gated) in shapes(cfg).items():
+        for fp8 in (f for f in fp8_options if not (f and name == "head")):
+            label = f"{name} {'fp8' if fp8 else 'bf16'}"
+            if time.perf_counter() > t_end:
+                say(f"  {label}: skipped (time budget)")
+                continue
+            tuned = replace(TUNED.get((n, k, fp8)) or candidates(n, k, gated, fp8)[0], wide=None)
+            copies = _copies(n, k, gated, fp8)
+            choices = []
+            for wgmma in (tuned.block_n >= 64, tuned.block_n < 64):
+                try:
+                    choices.append(_best_in_family(n, k, gated, fp8, tuned, wgmma, copies, say))
+                except Exception as e:  # no tile shape of this family ran
+                    say(f"    {'wgmma' if wgmma else 'mma.sync'}: {type(e).__name__}")
+            total, tiles = min(choices, key=lambda c: c[0])
+            best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles
+            say(f"  {label:<10} → {tiles}")
+            del copies
+    return best
+
+
+def _best_in_family(n, k, gated, fp8, tuned: TileConfig, wgmma: bool, copies, say) -> tuple[float, TileConfig]:
+    """(M=1 + M=64 ms, tiles) of the family's best narrow tiles and, where faster, their wide ones."""
+    if (tuned.block_n >= 64) == wgmma:
+        narrow = tuned
+    else:
+        shortlist = [t for t in candidates(n, k, gated, fp8, limit=40)[1:] if (t.block_n >= 64) == wgmma][:4]
+        narrow = min(shortlist, key=lambda t: time_linear(n, k, gated, fp8, t, 1, copies))
+    t1 = time_linear(n, k, gated, fp8, narrow, 1, copies)
+    plain = {m: time_linear(n, k, gated, fp8, narrow, m, copies) for m in (20, 32, 64)}
+    results = []
+    for tiles in wide_candidates(narrow, n, k, gated, fp8, limit=10):
+        try:
+            results.append((time_linear(n, k, gated, fp8, tiles, 64, copies), tiles))
+        except Exception as e:  # a tile shape the compiler refuses (shared memory, registers)
+            say(f"    {tiles}: {type(e).__name__}")
+    finals = []
+    for t64, tiles in sorted(results, key=lambda r: r[0])[:2]:
+        finals.append(({m: time_linear(n, k, gated, fp8, tiles, m, copies) for m in (20, 32)} | {64: t64}, tiles))
+    say(f"    {'wgmma' if wgmma else 'mma.sync':<8} narrow {t1 * 1e3:.1f} µs at M=1, {_us(plain)} at M=20/32/64  "
+        f"{narrow}")
+    for times, tiles in finals:
+        say(f"      wide {_us(times)}  {tiles}")
+    if finals and finals[0][0][64] < plain[64]:
+        return t1 + finals[0][0][64], replace(narrow, wide=finals[0][1])
+    return t1 + plain[64], narrow
+
+
+def sweep_persistent(cfg: HiggsConfig, budget_s: float = 120.0, fp8_options=(False, True), say=print) -> dict:
+    """Per weight shape: TUNED's narrow tiles with persistent programs (1 to 4 per multiprocessor, as many or one more
+    pipeline stages) against one program per unit, timed at M = 1, the best three again at M = 8 and 16; the least
+    M=1 + M=8 + M=16 time goes into TUNED (with the previous tiles as its wide ones if it had none: persistent
+    programs are tuned for a few rows)."""
+    t_end = time.perf_counter() + budget_s
+    best = {}
+    for name, (n, k, gated) in shapes(cfg).items():
+        for fp8 in (f for f in fp8_options if not (f and name == "head")):
+            label = f"{name} {'fp8' if fp8 else 'bf16'}"
+            if time.perf_counter() > t_end or (n, k, fp8) not in TUNED:
+                say(f"  {label}: skipped")
+                continue
+            base = replace(TUNED[n, k, fp8], persistent=0)
+            copies = _copies(n, k, gated, fp8)
+            variants = [base] + [replace(base, persistent=p, stages=s) for p in (1, 2, 3, 4)
+                                 for s in (base.stages, base.stages + 1)]
+            timed = []
+            for tiles in variants:
+                try:
+                    timed.append((time_linear(n, k, gated, fp8, tiles, 1, copies), tiles))
+                except Exception as e:  # shared memory
+                    say(f"    {tiles}: {type(e).__name__}")
+            finals = [(t1, {m: time_linear(n, k, gated, fp8, tiles, m, copies) for m in (8, 16)}, tiles)
+                      for t1, tiles in sorted(timed, key=lambda r: r[0])[:3]]
+            if base not in [t for *_, t in finals]:  # one program per unit, for comparison
+                t1 = next(t for t, tiles in timed if tiles == base)
+                finals.append((t1, {m: time_linear(n, k, gated, fp8, base, m, copies) for m in (8, 16)}, base))
+            finals.sort(key=lambda f: f[0] + sum(f[1].values()))
+            for t1, times, tiles in finals:
+                say(f"    {t1 * 1e3:5.1f} / {_us(times)} µs at M=1/8/16  persistent {tiles.persistent} "
+                    f"stages {tiles.stages}")
+            chosen = finals[0][2]
+            if chosen != base and chosen.wide is None:  # from 17 rows on, the tiles as they were
+                chosen = replace(chosen, wide=base)
+            best[(n, k, fp8)] = TUNED[(n, k, fp8)] = chosen
+            say(f"  {label:<10} → {chosen}")
+            del copies
+    return best
+
+
+def _keep_wide(tiles: TileConfig, previous: TileConfig | None) -> TileConfig:
+    """The new narrow tiles with the previous wide ones, where those still sum rows the same way."""
+    try:
+        return replace(tiles, wide=previous.wide if previous else None)
+    except ValueError:
+        return tiles
+
+
+def _us(times: dict) -> str:
+    return " / ".join(f"{t * 1e3:.1f}" for t in times.values())
+
+
+def _copies(n: int, k: int, gated: bool, fp8: bool) -> list:
+    """Enough copies of one random linear to read past the L2 (a decode step never finds its weights there)."""
+    one = Linear(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+                 torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 if gated else None,
+                 act_amax=4.0 if fp8 else None)
+    size = one.weight.nbytes * (2 if gated else 1)
+    return [one] + [_clone(one) for _ in range(max(1, -(-200_000_000 // size)) - 1)]
 
 
 def _where_in_program(n, k, gated, fp8, tiles: TileConfig, copies) -> tuple[TileConfig, dict]:
@@ -167,6 +310,51 @@ def _clone(lin: Linear) -> Linear:
         value = getattr(lin, attr)
         setattr(other, attr, value.clone() if value is not None else None)
     return other
+
+
+# ---- decode attention ----------------------------------------------------------------------------------------------
+
+def sweep_attention(cfg: HiggsConfig, batches=(1, 64), contexts=(300, 1000), max_seq: int = 2048, say=print) -> None:
+    """decode_attention_split's chunk, key block, warps and pipeline stages, timed at each batch and context (µs per
+    layer; every slot at `context` cached positions, four layers' caches in turn so that none is in L2), against the
+    bytes of keys and values read at the copy bandwidth."""
+    from higgs_trt.plugins import kernels
+
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    bandwidth = copy_bandwidth()
+    b_max = max(batches)
+    caches = [torch.randn(2, b_max, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q = torch.randn(b_max, hq * d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    pos = torch.zeros(b_max, dtype=torch.int64, device="cuda")
+    variants = [(chunk, block, warps, stages) for chunk in (256, 512) for block in (32, 64, 128) for warps in (4, 8)
+                for stages in (2, 3, 4) if block < chunk]
+    say("decode attention, µs per layer (× the copy rate's time for its keys and values) at "
+        + ", ".join(f"B={b} S={c}" for b in batches for c in contexts))
+    for chunk, block, warps, stages in variants:
+        chunks = -(-max_seq // chunk)
+        partials = torch.empty(b_max, hq, chunks, d, device="cuda")
+        stats = torch.empty(b_max, hq, chunks, 2, device="cuda")
+        tickets = torch.zeros(b_max * hkv, dtype=torch.int32, device="cuda")
+        figures = []
+        for b in batches:
+            for context in contexts:
+                pos.fill_(context - 1)
+
+                def run():
+                    for kv in caches:
+                        kernels.decode_attention_split[(b, hkv, chunks)](
+                            q, kv[0], kv[1], pos, out, partials, stats, tickets, max_seq, Q_HEADS=hq, KV_HEADS=hkv,
+                            HEAD_DIM=d, CHUNK=chunk, BLOCK_S=block, MAX_CHUNKS=chunks, num_warps=warps,
+                            num_stages=stages)
+                try:
+                    us = graph_ms(run) / len(caches) * 1e3
+                except Exception as e:  # shared memory, registers
+                    figures.append(type(e).__name__)
+                    continue
+                floor_us = 2 * b * hkv * context * d * 2 / bandwidth * 1e6
+                figures.append(f"{us:6.1f} ({us / floor_us:3.1f}×)")
+        say(f"  chunk {chunk:<4} block {block:<4} warps {warps} stages {stages}: {'  '.join(figures)}")
 
 
 # ---- the decode step --------------------------------------------------------------------------------------------

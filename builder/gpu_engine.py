@@ -69,6 +69,19 @@ class TileConfig:
     warps: int = 4
     stages: int = 4
     in_program_from: int = 64  # x rows per product (16/32/64) from which the K ranges run in one program
+    rows: int = 64  # the most x rows per product; more rows go to more programs
+    persistent: int = 0  # split programs: this many per multiprocessor, each taking every n-th unit (0: one per unit)
+    wide: "TileConfig | None" = None  # the tiles for more than 16 rows of x
+
+    def __post_init__(self):
+        # A row's numbers depend on the K ranges and on the MMA instruction (16 or 32 weight rows: mma.sync; 64 or
+        # more: Hopper's wgmma), nothing else: the wide tiles may change anything but those.
+        w = self.wide
+        if w is not None and (w.split_k != self.split_k or (w.block_n >= 64) != (self.block_n >= 64) or w.wide):
+            raise ValueError(f"wide tiles {w} would sum rows differently from {self}")
+
+    def for_rows(self, m: int) -> "TileConfig":
+        return self.wide if self.wide is not None and m > 16 else self
 
 
 def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig:
@@ -84,18 +97,23 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
     return TileConfig(block_n, 512 if fp8 else 256, split)
 
 
-# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30: the best of 10 shapes each by M=1 + M=64 time);
-# shapes not listed use default_tiles. (N, K, fp8) → tiles; µs at M = 1 / 64.
+# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30); shapes not listed use default_tiles. (N, K, fp8) →
+# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on (the same K ranges and MMA family: the same numbers).
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
-    (9728, 2560, False): TileConfig(32, 256, 1, 4, 3),  # gate|up: 3.06 / 4.87 ms whole steps (README)
-    (9728, 2560, True): TileConfig(32, 256, 4, 4, 4, 64),  # 21.1 / 35.1
-    (2560, 9728, False): TileConfig(64, 64, 8, 4, 3, 128),  # down: 18.0 / 23.9
-    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),  # 10.7 / 19.0
-    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, 64),  # q|k|v: 11.5 / 16.3
-    (6144, 2560, True): TileConfig(32, 256, 2, 4, 4, 128),  # 8.6 / 12.7
-    (2560, 4096, False): TileConfig(64, 64, 8, 4, 3, 128),  # o: 9.9 / 14.0
-    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128),  # 7.5 / 12.8
-    (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128),  # audio head: 14.2 / 20.1
+    # gate|up: 31.1 / 39.9 (one program per tile: 34.5; the narrow tiles at 64 rows: 47.0)
+    (9728, 2560, False): TileConfig(32, 256, 1, 4, 4, persistent=1, wide=TileConfig(32, 128, 1, 4, 3)),
+    (9728, 2560, True): TileConfig(64, 128, 8, 4, 4, 64),  # 20.2 / 32.5
+    # down: 16.7 / 23.9 (one program per unit: 18.0)
+    (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128)),
+    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),  # 10.8 / 19.1
+    # q|k|v: 11.4 / 15.6 (the narrow tiles at 64 rows: 16.3)
+    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, 64, wide=TileConfig(64, 64, 4, 8, 3, 128)),
+    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, 64),  # 8.2 / 13.3
+    # o: 9.0 / 13.9 (one program per unit: 9.9)
+    (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128)),
+    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128),  # 7.8 / 12.8
+    # audio head: 14.9 / 16.2 (the narrow tiles at 64 rows: 20.7)
+    (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128, wide=TileConfig(64, 128, 2, 4, 4, 16, rows=32)),
 }
 
 
@@ -122,10 +140,14 @@ class Linear:
         """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...), every row summed in the same K
         order whatever m is (decode or prefill). An FP8 x holds codes at this linear's activation scale; an FP8 out
         gets codes at out_scale."""
-        t = tiles or self.tiles
-        rows = min(64, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16, 32 or 64
+        t = (tiles or self.tiles).for_rows(m)
+        rows = min(t.rows, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16, 32 or 64
         in_program = t.split_k > 1 and (rows >= t.in_program_from or m > rows)
-        grid = (-(-m // rows), -(-self.n // t.block_n), 1 if in_program else t.split_k)
+        persistent = bool(t.persistent) and not in_program and m <= rows
+        if persistent:
+            grid = (min(-(-self.n // t.block_n) * t.split_k, workspace.sms * t.persistent),)
+        else:
+            grid = (-(-m // rows), -(-self.n // t.block_n), 1 if in_program else t.split_k)
         # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
         stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
         stages = max(2, min(t.stages, SHARED_MEMORY // stage))
@@ -136,8 +158,8 @@ class Linear:
             N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, ROWS=rows,
             FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
             SPLITS_IN_PROGRAM=in_program, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0,
-            X_FP8=x.dtype == FP8_CODES, OUT_FP8=out.dtype == FP8_CODES, launch_pdl=workspace.pdl, num_warps=t.warps,
-            num_stages=stages)
+            X_FP8=x.dtype == FP8_CODES, OUT_FP8=out.dtype == FP8_CODES, PERSISTENT=persistent,
+            launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages)
 
 
 class Workspace:
@@ -148,6 +170,8 @@ class Workspace:
     def __init__(self, max_n: int, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_seq: int, device,
                  pdl: bool = False):
         self.pdl = pdl
+        device = torch.device(device)
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         chunks = -(-max_seq // ATTENTION_CHUNK)
         self.partials = torch.empty(2 * 8 * 64 * max_n, dtype=torch.float32, device=device)  # gated: two sets
         self.tickets = torch.zeros(max_n, dtype=torch.int32, device=device)

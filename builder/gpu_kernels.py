@@ -99,7 +99,8 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
            ROWS: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
            OUT_F32: tl.constexpr, SPLITS_IN_PROGRAM: tl.constexpr = False, PDL: tl.constexpr = False,
-           FP8_SPAN: tl.constexpr = 0, X_FP8: tl.constexpr = False, OUT_FP8: tl.constexpr = False):
+           FP8_SPAN: tl.constexpr = 0, X_FP8: tl.constexpr = False, OUT_FP8: tl.constexpr = False,
+           PERSISTENT: tl.constexpr = False):
     """Grid (programs over M, N / BLOCK_N, SPLIT_K or 1). Each product is W·xᵀ for a weight tile [BLOCK_N, BLOCK_K]
     and ROWS rows of x (16, 32 or 64): the weight rows sit on the MMA's M side, so BLOCK_N ≥ 64 uses Hopper's wgmma,
     and the batch rows on its N side, where each output element is the same chain of K steps whatever N is (a row's
@@ -110,12 +111,45 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
     or with SPLITS_IN_PROGRAM one after another in one program (many rows: no partial sums through memory). Both
     give the same numbers, so the choice may follow the number of rows. Row chunk c goes to program c mod the M
     programs, which come first so that those reading one weight tile run together and share it in L2. Split
-    programs need M ≤ ROWS. FP8_SPAN: see plugins/kernels.mma."""
+    programs need M ≤ ROWS.
+
+    PERSISTENT (split programs only, M ≤ ROWS): a 1-D grid of fewer programs than (weight tile, K range) units, each
+    taking every num_programs-th unit in one loop that the compiler flattens with the K loop, so its loads run on
+    into the next unit's instead of each unit paying a program's start and its first loads' latency. The same
+    units, sums and reduction as split programs: the same numbers. FP8_SPAN: see plugins/kernels.mma."""
     await_inputs(PDL)
+    K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # a range's columns
+    if PERSISTENT:
+        r = tl.arange(0, ROWS)
+        units = tl.cdiv(N, BLOCK_N) * SPLIT_K
+        for unit in tl.range(tl.program_id(0), units, tl.num_programs(0), flatten=True):
+            pid_n = unit // SPLIT_K
+            s = unit % SPLIT_K
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            y, u = _k_range(x, w, w_up, tl.where(n < N, n, 0), r, s, M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K,
+                            ROWS, FP8, X_FP8, GATED, FP8_SPAN)
+            if SPLIT_K == 1:
+                _epilogue(y, u, r, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8, GATED, RESIDUAL,
+                          OUT_F32, OUT_FP8)
+            else:
+                _split_k_reduce(y, u, pid_n, s, n, r, M, out, res, partials, tickets, w_scale, w_up_scale, x_scale,
+                                out_scale, N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, OUT_FP8)
+    else:
+        _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale, out_scale, N, K, K_SPLIT,
+               BLOCK_N, BLOCK_K, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, SPLITS_IN_PROGRAM, FP8_SPAN, X_FP8,
+               OUT_FP8)
+
+
+@triton.jit
+def _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale, out_scale, N: tl.constexpr,
+           K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ROWS: tl.constexpr,
+           FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
+           SPLITS_IN_PROGRAM: tl.constexpr, FP8_SPAN: tl.constexpr, X_FP8: tl.constexpr, OUT_FP8: tl.constexpr):
+    """One program per (row chunk, weight tile, K range) of the grid, or per (row chunk, weight tile) with the
+    ranges in the program."""
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
-    K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     w_rows = tl.where(n < N, n, 0)  # columns past N read row 0 and are never stored
     for m0 in range(tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS):
         if SPLITS_IN_PROGRAM:

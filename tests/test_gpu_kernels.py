@@ -32,7 +32,7 @@ def run(body: str) -> None:
 
 
 LINEAR = """
-def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k=32, in_program=None):
+def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k=32, in_program=None, persistent=0):
     m, k = x.shape
     n = w.shape[0]
     amax = float(x.float().abs().max())
@@ -42,10 +42,11 @@ def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k
     partials, tickets = torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32)
     rows = min(64, max(16, 1 << (m - 1).bit_length()))
     in_program = m > rows if in_program is None else in_program  # the engine's rule at its smallest threshold
-    gpu_kernels.linear[(-(-m // rows), -(-n // block_n), 1 if in_program else split)](
+    grid = (persistent,) if persistent else (-(-m // rows), -(-n // block_n), 1 if in_program else split)
+    gpu_kernels.linear[grid](
         x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, 1.0, N=n, K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split, ROWS=rows, FP8=fp8, GATED=up is not None,
-        RESIDUAL=residual is not None, OUT_F32=False, SPLITS_IN_PROGRAM=in_program)
+        RESIDUAL=residual is not None, OUT_F32=False, SPLITS_IN_PROGRAM=in_program, PERSISTENT=bool(persistent))
     assert not tickets.any()  # every split-K ticket counter is reset for the next launch
     # reference: the same quantisation, fp32 products and sums, the kernel's bf16 rounding points
     if fp8:
@@ -98,6 +99,24 @@ for fp8 in (False, True):
         a = linear(x, w, fp8=fp8, split=5, block_k=32, in_program=False, **args)[0]
         b = linear(x, w, fp8=fp8, split=5, block_k=32, in_program=True, **args)[0]
         assert torch.equal(a, b), (fp8, args.keys())
+""")
+
+
+def test_persistent_programs_equal_split_programs_bit_for_bit():
+    """Fewer programs than (weight tile, K range) units, each taking every n-th unit, compute the split programs'
+    numbers: the same units, each summed from zero, reduced in range order."""
+    run(LINEAR + """
+m, n, k = 5, 40, 200  # 3 weight tiles of 16 rows (the last short) × 5 ranges of 64 columns (the last empty)
+x = torch.randn(m, k).bfloat16()
+w, up = (torch.randn(n, k) / k ** 0.5).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
+res = torch.randn(m, n).bfloat16()
+for fp8 in (False, True):
+    for split in (1, 5):
+        for args in (dict(), dict(up=up), dict(residual=res)):
+            a = linear(x, w, fp8=fp8, split=split, block_k=32, in_program=False, **args)[0]
+            for programs in (1, 4, 15):
+                b = linear(x, w, fp8=fp8, split=split, block_k=32, in_program=False, persistent=programs, **args)[0]
+                assert torch.equal(a, b), (fp8, split, programs, args.keys())
 """)
 
 
