@@ -374,7 +374,7 @@ class StepFigures:
 def step_ms(engine: GpuEngine, batch: int, context: int) -> float:
     """Median time of one decode step (its captured graph) with `batch` active slots at `context` positions."""
     n = engine._bucket(batch)
-    graph = engine.graphs[n, 0]
+    graph = engine.graphs[n, 0, 1]
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     with torch.cuda.stream(engine.stream):

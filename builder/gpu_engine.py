@@ -47,6 +47,10 @@ from .config import HiggsConfig
 from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Rows one replay may decode, per batch bucket, when the scheduler allows it (nobody waiting to join or for a first
+# chunk): the host's work per launch spread over several rows. A lone stream only, where that work is the most per row
+# and a join waits for the fewest slots.
+STEP_ROWS = {1: 4}
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured one-prompt prefills
 PREFILL_PROMPTS = 4  # a prefill pass holds the rows of this many longest prompts (more when they are shorter)
 ATTENTION_CHUNK = 256  # keys per decode-attention program; a row's split depends only on its own length
@@ -262,14 +266,17 @@ class GpuEngine:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.bucket_of = [0] + [next(b for b in self.buckets if b >= n) for n in range(1, max_batch + 1)]
         pinned = dev.type == "cuda"
-        self.host_codes = [torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self.step_rows = {n: STEP_ROWS.get(n, 1) for n in self.buckets}
+        rows_max = max(self.step_rows.values())
+        self.host_codes = [torch.zeros(rows_max, max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned)
+                           for _ in range(2)]
         self.host_first = torch.zeros(max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned)
         self.host_codes_np = [t.numpy() for t in self.host_codes]
         self.host_first_np = self.host_first.numpy()
         self.step_slots = {n: list(range(n)) for n in self.buckets}  # the slots a step of bucket n covers
         self.epochs = [0] * max_batch  # bumped by each prefill: rows launched before it belong to the old request
         self.live = [False] * max_batch
-        self.pending: list = []  # launches whose codes the host has not read: (event, kind, slots, epochs, parity)
+        self.pending: list = []  # launches whose codes the host has not read: (event, kind, slots, epochs, parity, rows)
         self.events: list = []  # recorded events done with, for reuse (creating one per step costs host time)
         self.waited = 0.0  # seconds the host spent waiting for the GPU in rows() (benchmarks read these)
         self.prefill_seconds = 0.0
@@ -353,8 +360,15 @@ class GpuEngine:
     def _bucket(self, n: int) -> int:
         return self.bucket_of[n]
 
+    def _decode_rows(self, n: int, rows: int, parity: int) -> None:
+        """`rows` decode steps for slots [0, n), each step's codes copied to the parity's pinned buffer."""
+        for r in range(rows):
+            self._decode(n)
+            self.host_codes[parity][r, :n].copy_(self.codes[:n], non_blocking=self.stream is not None)
+
     def _capture_all(self) -> None:
-        """One graph per (bucket, parity), captured once: the parity picks the pinned buffer its codes go to."""
+        """One graph per (bucket, parity, rows per replay), captured once: the parity picks the pinned buffer its
+        codes go to."""
         with torch.cuda.stream(self.stream):
             for n in self.buckets:
                 self._decode(n)  # compile and warm up outside capture
@@ -362,11 +376,11 @@ class GpuEngine:
             self.write_pos.zero_()
             for n in self.buckets:
                 for parity in (0, 1):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=self.stream):
-                        self._decode(n)
-                        self.host_codes[parity][:n].copy_(self.codes[:n], non_blocking=True)
-                    self.graphs[n, parity] = graph
+                    for rows in {1, self.step_rows[n]}:
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, stream=self.stream):
+                            self._decode_rows(n, rows, parity)
+                        self.graphs[n, parity, rows] = graph
             for length in self.prompt_buckets:  # one prompt alone prefills from the graph of its length bucket
                 self._prefill_padded(1, length)  # warm-up
                 graph = torch.cuda.CUDAGraph()
@@ -503,38 +517,42 @@ class GpuEngine:
             torch.cuda.set_stream(self.stream)
             _claimed.stream = self.stream
 
-    def step(self, n: int) -> None:
-        """One row for every active slot below n (inactive ones compute a row nobody reads)."""
+    def step(self, n: int, rows: int = 1) -> None:
+        """One row, or up to `rows` where the bucket replays several (STEP_ROWS), for every active slot below n
+        (inactive ones compute rows nobody reads)."""
         n = self._bucket(n)
+        rows = self.step_rows[n] if rows >= self.step_rows[n] else 1
         self._claim_stream()
         if self.graphs:
-            self.graphs[n, self.parity].replay()
+            self.graphs[n, self.parity, rows].replay()
         else:
-            self._decode(n)
-            self.host_codes[self.parity][:n].copy_(self.codes[:n])
-        self._record("step", self.step_slots[n], self.parity)
+            self._decode_rows(n, rows, self.parity)
+        self._record("step", self.step_slots[n], self.parity, rows)
         self.parity ^= 1
 
-    def _record(self, kind: str, slots: list[int], parity: int = 0) -> None:
+    def _record(self, kind: str, slots: list[int], parity: int = 0, rows: int = 1) -> None:
         event = None
         if self.stream is not None:
             event = self.events.pop() if self.events else torch.cuda.Event()
             event.record(self.stream)
-        self.pending.append((event, kind, slots, [self.epochs[s] for s in slots], parity))
+        self.pending.append((event, kind, slots, [self.epochs[s] for s in slots], parity, rows))
 
     def rows(self, keep: int = 0) -> list[tuple[int, list[int]]]:
-        """(slot, its 8 codes) of every launch done, oldest first, waiting until at most `keep` are pending; rows of
-        slots released or refilled since their launch are dropped."""
+        """(slot, its 8 codes) of every launch done, oldest first (a launch of several rows: row by row), waiting
+        until at most `keep` are pending; rows of slots released or refilled since their launch are dropped."""
         out = []
         while self.pending and (len(self.pending) > keep or self.pending[0][0] is None or self.pending[0][0].query()):
-            event, kind, slots, epochs, parity = self.pending.pop(0)
+            event, kind, slots, epochs, parity, rows = self.pending.pop(0)
             if event is not None:
                 t0 = time.perf_counter()
                 event.synchronize()
                 self.waited += time.perf_counter() - t0
                 self.events.append(event)
-            codes = (self.host_first_np if kind == "first" else self.host_codes_np[parity])[:max(slots) + 1].tolist()
-            out += [(s, codes[s]) for s, e in zip(slots, epochs) if self._live(s, e)]
+            last = max(slots) + 1
+            step_codes = ([self.host_first_np[:last].tolist()] if kind == "first"
+                          else self.host_codes_np[parity][:rows, :last].tolist())
+            for codes in step_codes:
+                out += [(s, codes[s]) for s, e in zip(slots, epochs) if self._live(s, e)]
         return out
 
     def _live(self, slot: int, epoch: int) -> bool:

@@ -29,8 +29,8 @@ class TimedEngine:
     def prefill(self, joins):
         return self._timed("prefill", self.inner.prefill, joins)
 
-    def step(self, n):
-        return self._timed("step", self.inner.step, n)
+    def step(self, n, rows=1):
+        return self._timed("step", self.inner.step, n, rows)
 
     def codec(self, codes):
         return self._timed("codec", self.inner.codec, codes)

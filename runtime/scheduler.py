@@ -4,7 +4,8 @@ One loop, shared by every backend (the slot contract: runtime/stepper.py, builde
 
   admit    queued requests take free slots: one prefill call for those who join (the engine may batch them; while
            others decode, at most prefill_rows prompt rows a step), which also chooses each request's row 0
-  step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot)
+  step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot); when nobody
+           waits to join or for a first chunk, the engine may decode several rows in one launch (MULTI_ROWS)
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
   audio    codec windows that became decodable (runtime/streaming.py), windows of equal length decoded in one call
@@ -73,6 +74,10 @@ def request_for(engine, prompt: Prompt, sampling: Sampling, hard_cap: int = HARD
 
 
 PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (≈ 6 prompts of 41 tokens)
+# Rows one engine step may decode while no request waits to join or for its first chunk: the host's work per launch
+# is spread over them; a join or a cancel then waits for up to that many rows (the engine decides how many it does:
+# builder/gpu_engine.STEP_ROWS, one on host-driven engines).
+MULTI_ROWS = 4
 
 
 class Scheduler:
@@ -85,6 +90,7 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * engine.max_batch
         self.occupied: list[int] = []  # the slots holding a request, ascending (kept, not scanned: host time per row)
         self.queue: deque[Request] = deque()
+        self.urgent = True  # a request has not had its first chunk yet: one row per step
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
 
@@ -138,12 +144,12 @@ class Scheduler:
             self._admit()
         busy = self.occupied
         if busy:
-            self.engine.step(busy[-1] + 1)
+            self.engine.step(busy[-1] + 1, 1 if self.urgent or self.queue else MULTI_ROWS)
         for slot, codes in self.engine.rows(keep=self.engine.lag if busy else 0):
             request = self.slots[slot]
             if request is not None and not request.utterance.done:
                 request.utterance.push(codes)
-        windows, freed = [], False
+        windows, freed, urgent = [], False, False
         for slot in busy:
             request = self.slots[slot]
             if request.cancelled or request.utterance.done:
@@ -154,10 +160,14 @@ class Scheduler:
                 self._finish(request)
             else:
                 windows += self._due(request)
+                urgent = urgent or not request.emitted
         if freed:
             self.occupied = [s for s in busy if self.slots[s] is not None]
         if windows:
             self._decode(windows)
+        if urgent:  # still, after this step's chunks?
+            urgent = any(not self.slots[s].emitted for s in self.occupied)
+        self.urgent = urgent
         with self.lock:
             return bool(self.queue) or bool(self.occupied)
 
@@ -192,6 +202,7 @@ class Scheduler:
         for slot, request in joins:
             self.slots[slot] = request
         self.occupied = sorted(self.occupied + [slot for slot, _ in joins])
+        self.urgent = True
 
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""

@@ -47,7 +47,8 @@ class HostStepper:
         self.sampling[slot], self.live[slot] = sampling, True
         self._choose(slot, logits[0], codes[0])
 
-    def step(self, n: int) -> None:
+    def step(self, n: int, rows: int = 1) -> None:
+        """One row for the live slots below n (a host-driven engine gains nothing from more rows per call)."""
         feeds = step_feeds(self.fed[:n], self.write_pos[:n], self.row[:n], self.end[:n])
         logits, codes = self.backend.lm(feeds)
         for slot in range(n):

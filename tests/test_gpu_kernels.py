@@ -344,6 +344,36 @@ for alone, slot, p in zip(solo, (2, 0, 1), ps):
 """)
 
 
+def test_engine_step_of_several_rows_equals_single_steps(tiny_ckpt):
+    """A step that decodes STEP_ROWS rows at once (what a lone stream's replay does) hands back the rows, oldest
+    first, that as many one-row steps give."""
+    run(f"""
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.builder.gpu_engine import STEP_ROWS, GpuEngine
+from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+from pathlib import Path
+
+ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
+tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+prompt = build_prompt(HiggsTokenizer(Path({str(tiny_ckpt)!r}) / "tokenizer.json"), "Hello there.")
+rows = STEP_ROWS[1]
+
+def decoded(per_step):
+    engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=1, max_prompt=32, device="cpu", graphs=False)
+    engine.prefill([(0, prompt, Sampling(temperature=1.0, seed=5))])
+    out = []
+    for _ in range(rows // per_step):
+        engine.step(1, per_step)
+        out += engine.rows(keep=engine.lag)  # as the scheduler reads them: a parity's buffer is then reused
+    return out + engine.rows()
+
+several, single = decoded(rows), decoded(1)
+assert rows > 1 and len(several) == rows + 1 and several == single, (several, single)
+""")
+
+
 def test_fp8_engine_follows_the_ort_fp8_twin_teacher_forced(tiny_fp8_engine, tiny_ckpt):
     """The GPU engine in FP8 from an FP8 engine directory (its weights.bin and calibration.json) against ONNX Runtime
     running that directory's FP8 Q/DQ twin, teacher-forced with the twin's greedy rows. The twin computes in fp32;

@@ -9,7 +9,7 @@ from higgs_trt.runtime.generate import generate
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.ort_backend import OrtBackend
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
-from higgs_trt.runtime.scheduler import QueueFull, Scheduler, request_for
+from higgs_trt.runtime.scheduler import MULTI_ROWS, QueueFull, Scheduler, request_for
 from higgs_trt.runtime.stepper import HostStepper
 
 TEXTS = ["Hello there, how are you?", "She sells sea shells.", "Numbers: one, two, three.", "Wait, what? No way!"]
@@ -100,3 +100,50 @@ def test_streamed_chunks_arrive_in_order_and_make_the_whole(engine, prompts):
     assert len(chunks) > 1 and np.array_equal(np.concatenate(chunks), whole.audio)
     assert len(chunks[0]) == 8 * 960  # the first chunk is 8 frames
     assert request.first_audio_at is not None and request.finished_at >= request.first_audio_at
+
+
+class SeveralRows:
+    """The ORT engine decoding as many rows per step as the scheduler allows, as the GPU engine's replays of several
+    rows do; it notes what each step was allowed."""
+
+    def __init__(self, inner):
+        self.inner, self.allowed = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, n, rows=1):
+        self.allowed.append(rows)
+        for _ in range(rows):
+            self.inner.step(n)
+
+
+def test_several_rows_per_step_only_once_every_request_has_its_first_chunk(engine, prompts):
+    alone = Scheduler(engine)
+    one_row = alone.submit(request_for(engine, prompts[0], Sampling(), hard_cap=120))
+    alone.run()
+    several = SeveralRows(engine)
+    scheduler = Scheduler(several)
+    request = scheduler.submit(request_for(engine, prompts[0], Sampling(), hard_cap=120))
+    steps_to_first_chunk = 0
+    while request.first_audio_at is None:
+        scheduler.step()
+        steps_to_first_chunk += 1
+    scheduler.run()
+    assert request.utterance.rows == one_row.utterance.rows and np.array_equal(request.audio(), one_row.audio())
+    assert several.allowed[:steps_to_first_chunk] == [1] * steps_to_first_chunk  # 8 frames + holdback + delay
+    assert steps_to_first_chunk > 8 and set(several.allowed[steps_to_first_chunk:]) == {MULTI_ROWS}
+
+    # a join goes back to one row per step until it has its first chunk; a cancel frees its slot on the next step
+    several.allowed.clear()
+    first = scheduler.submit(request_for(engine, prompts[1], Sampling(), hard_cap=200))
+    while first.first_audio_at is None:
+        scheduler.step()
+    scheduler.step()
+    joined = scheduler.submit(request_for(engine, prompts[2], Sampling(), hard_cap=200))
+    scheduler.step()
+    assert several.allowed[-2:] == [MULTI_ROWS, 1]
+    scheduler.cancel(first)
+    scheduler.cancel(joined)
+    scheduler.step()
+    assert scheduler.busy == 0 and first.stop_reason == joined.stop_reason == "cancelled"
