@@ -191,7 +191,7 @@ def sweep_wide(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, Tr
                     choices.append(_best_in_family(n, k, gated, fp8, tuned, wgmma, copies, say))
                 except Exception as e:  # no tile shape of this family ran
                     say(f"    {'wgmma' if wgmma else 'mma.sync'}: {type(e).__name__}")
-            total, tiles = min(choices, key=lambda c: c[0])
+            _, tiles = min(choices, key=lambda c: c[0])
             best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles
             say(f"  {label:<10} → {tiles}")
             del copies

@@ -147,7 +147,7 @@ class Linear:
         t = (tiles or self.tiles).for_rows(m)
         rows = min(t.rows, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16, 32 or 64
         in_program = t.split_k > 1 and (rows >= t.in_program_from or m > rows)
-        persistent = bool(t.persistent) and not in_program and m <= rows
+        persistent = bool(t.persistent) and not in_program  # split programs: m ≤ rows
         if persistent:
             grid = (min(-(-self.n // t.block_n) * t.split_k, workspace.sms * t.persistent),)
         else:

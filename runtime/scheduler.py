@@ -149,7 +149,7 @@ class Scheduler:
             request = self.slots[slot]
             if request is not None and not request.utterance.done:
                 request.utterance.push(codes)
-        windows, freed, urgent = [], False, False
+        windows, freed = [], False
         for slot in busy:
             request = self.slots[slot]
             if request.cancelled or request.utterance.done:
@@ -160,14 +160,12 @@ class Scheduler:
                 self._finish(request)
             else:
                 windows += self._due(request)
-                urgent = urgent or not request.emitted
         if freed:
             self.occupied = [s for s in busy if self.slots[s] is not None]
         if windows:
             self._decode(windows)
-        if urgent:  # still, after this step's chunks?
-            urgent = any(not self.slots[s].emitted for s in self.occupied)
-        self.urgent = urgent
+        if self.urgent:  # set by each join; still, after this step's chunks?
+            self.urgent = any(not self.slots[s].emitted for s in self.occupied)
         with self.lock:
             return bool(self.queue) or bool(self.occupied)
 
