@@ -1,5 +1,6 @@
 """Triton kernels of the GPU decode path (builder/gpu_engine.py): the decoder's GEMMs, RMSNorm and the per-slot
-step state. The two plugin ops (and decode attention) live in plugins/kernels.py; these have no TensorRT twin.
+step state, and the codec's Snake. The two plugin ops (and decode attention) live in plugins/kernels.py; these have no
+TensorRT twin.
 
 Batch invariance is the rule: a row's result never depends on which other rows share the launch, so a request
 decodes to the same codes alone or inside any batch. The linear kernel therefore computes every row with one fixed
@@ -259,3 +260,15 @@ def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq,
     tl.store(row_index + b, tl.load(row_index + b, mask=keep) + 1, mask=keep)
     pos = tl.load(write_pos + b, mask=keep)
     tl.store(write_pos + b, tl.minimum(pos + 1, max_seq - 1), mask=keep)
+
+
+@triton.jit
+def snake(x, alpha, out, C, T, BLOCK: tl.constexpr):
+    """The codec's Snake activation in one pass (eager torch makes five passes over the tensor): x + sin(αx)² / (α +
+    1e-9), α per channel, x [B, C, T] fp32. Grid (B·C, ⌈T / BLOCK⌉)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(alpha + row % C)
+    v = tl.load(x + row * T + t, mask=t < T, other=0.0)
+    s = tl.sin(a * v)  # libdevice sinf, not an approximation (checked in the PTX)
+    tl.store(out + row * T + t, v + (1.0 / (a + 1e-9)) * (s * s), mask=t < T)

@@ -56,6 +56,19 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
     assert not ws.tickets.any()
 
 
+def test_codec_snake_on_the_gpu_equals_its_formula():
+    """The codec's Snake in one Triton pass (CUDA tensors) against the module's torch formula on the CPU, at the last
+    decoder block's size for 4 windows of 45 frames."""
+    from higgs_trt.builder.codec import Snake
+
+    snake = Snake(32)
+    snake.alpha.data = torch.rand(1, 32, 1) * 2 + 0.05
+    x = torch.randn(4, 32, 45 * 960) * 4
+    ref = snake(x)
+    got = snake.cuda()(x.cuda()).cpu()
+    assert (got - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((got - ref).abs().max())
+
+
 def test_decode_attention_at_higgs_dimensions():
     from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK
     from higgs_trt.plugins import kernels

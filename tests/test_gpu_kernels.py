@@ -187,6 +187,21 @@ assert row.tolist() == [2, 2, 4, 4] and end.tolist() == [7, 1 << 40, 9, 1 << 40]
 """)
 
 
+def test_snake_in_one_pass_equals_the_codec_formula():
+    """The GPU codec's Snake (one Triton pass) against the module's torch formula, which ONNX export and the CPU
+    run; T not a multiple of the block, and channels with their own alpha."""
+    run("""
+from higgs_trt.builder.codec import Snake
+snake = Snake(6)
+snake.alpha.data = torch.rand(1, 6, 1) * 2 + 0.05
+x = torch.randn(3, 6, 1500) * 4
+out = torch.empty_like(x)
+gpu_kernels.snake[(18, 2)](x, snake.alpha, out, 6, 1500, BLOCK=1024)
+ref = snake(x)
+assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref).abs().max())
+""")
+
+
 def test_qk_norm_rope_kv_write_matches_the_reference():
     run("""
 from higgs_trt.builder.config import HiggsConfig
