@@ -448,7 +448,8 @@ def bench_decode(engine: GpuEngine, prompt, batches=(1, 8, 64), rows: int = 250,
         host = (wall - engine.waited - codec - engine.prefill_seconds) / n
         say(f"  1 stream {'greedy' if sampling.greedy else 'T=1':<7} {n} rows in {wall * 1e3:7.1f} ms: "
             f"first audio {1e3 * (request.first_audio_at - request.submitted_at):6.1f} ms (prefill issued in "
-            f"{1e3 * engine.prefill_seconds:.1f} ms), host {1e6 * host:5.1f} µs/row, codec {1e3 * codec:.1f} ms")
+            f"{1e3 * engine.prefill_seconds:.1f} ms), host {1e6 * host:5.1f} µs/row, codec calls issued in "
+            f"{1e3 * codec:.1f} ms")
     for b in batches:
         if b > engine.max_batch:
             continue

@@ -88,13 +88,17 @@ class StreamFigures:
     wall_s: float
     ttfa_ms: list  # per request
     underruns: int  # chunks that arrived after the audio before them had finished playing (first chunks excepted)
+    phases: dict | None = None  # seconds of the scheduler's loop by phase (in process only)
 
     def line(self) -> str:
         ttfa = np.array(self.ttfa_ms)
-        return (f"concurrency {self.concurrency:>3}: {self.requests:>4} requests, {self.audio_s:7.1f} s of audio in "
+        line = (f"concurrency {self.concurrency:>3}: {self.requests:>4} requests, {self.audio_s:7.1f} s of audio in "
                 f"{self.wall_s:6.2f} s = {self.audio_s / self.wall_s:7.1f} audio-s/s; first audio p50 "
                 f"{np.percentile(ttfa, 50):6.1f} ms, p95 {np.percentile(ttfa, 95):6.1f} ms, mean {ttfa.mean():6.1f} ms; "
                 f"underruns {self.underruns}")
+        if self.phases:
+            line += "; loop " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases.items())
+        return line
 
 
 def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: int, sampling: Sampling,
@@ -135,4 +139,4 @@ def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: 
             played += n
         audio += played
     ttfa = [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at]
-    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, underruns)
+    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, underruns, dict(scheduler.seconds))

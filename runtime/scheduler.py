@@ -8,7 +8,9 @@ One loop, shared by every backend (the slot contract: runtime/stepper.py, builde
            waits to join or for a first chunk, the engine may decode several rows in one launch (MULTI_ROWS)
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
-  audio    codec windows that became decodable (runtime/streaming.py), windows of equal length decoded in one call
+  audio    codec windows that became decodable (runtime/streaming.py), windows of equal length decoded in one call;
+           an engine may decode them while the next steps run (the GPU engine's codec stream): a step's audio goes
+           out, in window order, once all of it is ready; a first chunk is waited for (time to first audio)
 
 A request's codes depend only on its prompt, sampling and seed (batch-invariant kernels, per-request uniforms), so
 it decodes the same alone or joining a batch mid-flight. `submit` and `cancel` may be called from other threads.
@@ -45,6 +47,7 @@ class Request:
     # kept by the scheduler
     utterance: Utterance | None = None
     emitted: int = 0  # frames whose audio went out
+    planned: int = 0  # frames whose audio went out or is being decoded
     chunks: list = field(default_factory=list)
     cancelled: bool = False
     finished: bool = False
@@ -90,7 +93,9 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * engine.max_batch
         self.occupied: list[int] = []  # the slots holding a request, ascending (kept, not scanned: host time per row)
         self.queue: deque[Request] = deque()
+        self.decoding: deque[tuple[list, list]] = deque()  # a step's (windows, codec calls) whose audio is not out
         self.urgent = True  # a request has not had its first chunk yet: one row per step
+        self.seconds = dict.fromkeys(("prefill", "decode", "codec", "other"), 0.0)  # the loop's time by phase
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
 
@@ -128,6 +133,7 @@ class Scheduler:
             self.queue.clear()
         self.slots = [None] * len(self.slots)
         self.occupied = []
+        self.decoding.clear()
         for request in requests:
             if not request.cancelled:
                 request.error = request.error or error
@@ -140,8 +146,10 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration; False when there is nothing left to do."""
+        t0 = time.perf_counter()
         if self.queue:
             self._admit()
+        t1 = time.perf_counter()
         busy = self.occupied
         if busy:
             self.engine.step(busy[-1] + 1, 1 if self.urgent or self.queue else MULTI_ROWS)
@@ -149,6 +157,7 @@ class Scheduler:
             request = self.slots[slot]
             if request is not None and not request.utterance.done:
                 request.utterance.push(codes)
+        t2 = time.perf_counter()
         windows, freed = [], False
         for slot in busy:
             request = self.slots[slot]
@@ -162,12 +171,17 @@ class Scheduler:
                 windows += self._due(request)
         if freed:
             self.occupied = [s for s in busy if self.slots[s] is not None]
+        t3 = time.perf_counter()
         if windows:
             self._decode(windows)
+        self._collect(wait=not self.occupied and not self.queue)
+        t4 = time.perf_counter()
         if self.urgent:  # set by each join; still, after this step's chunks?
             self.urgent = any(not self.slots[s].emitted for s in self.occupied)
+        for phase, seconds in zip(self.seconds, (t1 - t0, t2 - t1, t4 - t3, t3 - t2 + time.perf_counter() - t4)):
+            self.seconds[phase] += seconds
         with self.lock:
-            return bool(self.queue) or bool(self.occupied)
+            return bool(self.queue) or bool(self.occupied) or bool(self.decoding)
 
     def _admit(self) -> None:
         """Queued requests take free slots, in one prefill call (a failed call fails them all: lengths were checked
@@ -205,29 +219,47 @@ class Scheduler:
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""
         u = request.utterance
-        out, emitted = [], request.emitted
-        while window := self.plan.next_window(emitted, u.ready(), u.done):
+        out = []
+        while window := self.plan.next_window(request.planned, u.ready(), u.done):
             out.append((request, window))
-            emitted = window.emit_to
-        if u.done and not out:
+            request.planned = window.emit_to
+        if u.done and not out and request.emitted == request.planned:  # else its last audio finishes it
             self._finish(request)
         return out
 
     def _decode(self, windows: list) -> None:
-        """Decode the windows (one codec call per window length), then hand out the audio in window order."""
+        """Start decoding the windows: one codec call per window length."""
         by_length: dict[int, list] = {}
         for i, (request, window) in enumerate(windows):
             by_length.setdefault(window.stop - window.start, []).append(i)
-        audio = [None] * len(windows)
+        calls = []
         for group in by_length.values():
             codes = np.stack([windows[i][0].utterance.frames(windows[i][1].start, windows[i][1].stop).T for i in group])
-            for i, samples in zip(group, self.engine.codec(codes)[:, 0]):
-                audio[i] = samples
-        for (request, window), samples in zip(windows, audio):
-            self._deliver(request, window.trim(samples))
-            request.emitted = window.emit_to
-            if request.utterance.done and request.emitted >= request.utterance.ready():
-                self._finish(request)
+            calls.append((group, self.engine.codec(codes)))
+        self.decoding.append((windows, calls))
+
+    def _collect(self, wait: bool) -> None:
+        """Hand out the audio of the steps whose codec calls are done, oldest first, in window order; with `wait`,
+        or up to the last step holding a first chunk, wait for it."""
+        firsts = [i for i, (windows, _) in enumerate(self.decoding) if any(w.emit_from == 0 for _, w in windows)]
+        urgent = len(self.decoding) if wait else firsts[-1] + 1 if firsts else 0
+        while self.decoding:
+            windows, calls = self.decoding[0]
+            if urgent <= 0 and not all(call.ready() for _, call in calls):
+                return
+            urgent -= 1
+            self.decoding.popleft()
+            audio = [None] * len(windows)
+            for group, call in calls:
+                for i, samples in zip(group, call.result()[:, 0]):
+                    audio[i] = samples
+            for (request, window), samples in zip(windows, audio):
+                if request.finished:  # cancelled (or failed) while its audio was decoding
+                    continue
+                self._deliver(request, window.trim(samples))
+                request.emitted = window.emit_to
+                if request.utterance.done and request.emitted >= request.utterance.ready():
+                    self._finish(request)
 
     def _deliver(self, request: Request, chunk: np.ndarray) -> None:
         if request.first_audio_at is None:

@@ -2,8 +2,9 @@
 
 The scheduler (runtime/scheduler.py) drives every backend through the same five calls: `prefill(joins)` (a list of
 (slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n)`, `rows(keep)`,
-`release(slot)` and `codec(codes)`. The GPU engine (builder/gpu_engine.py) keeps each slot's decode state on the
-device; this class keeps it on the host for a backend that offers one graph call,
+`release(slot)` and `codec(codes)` (a handle: `ready()`, and `result()` the audio, so that an engine may decode audio
+while it decodes rows; host-driven ones return it done, as `Decoded`). The GPU engine (builder/gpu_engine.py) keeps
+each slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
 
@@ -75,5 +76,18 @@ class HostStepper:
     def release(self, slot: int) -> None:
         self.live[slot] = False
 
-    def codec(self, codes: np.ndarray) -> np.ndarray:
-        return self.backend.codec(codes)
+    def codec(self, codes: np.ndarray) -> "Decoded":
+        return Decoded(self.backend.codec(codes))
+
+
+class Decoded:
+    """Audio a codec call has already produced."""
+
+    def __init__(self, audio: np.ndarray):
+        self.audio = audio
+
+    def ready(self) -> bool:
+        return True
+
+    def result(self) -> np.ndarray:
+        return self.audio

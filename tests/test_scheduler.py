@@ -147,3 +147,67 @@ def test_several_rows_per_step_only_once_every_request_has_its_first_chunk(engin
     scheduler.cancel(joined)
     scheduler.step()
     assert scheduler.busy == 0 and first.stop_reason == joined.stop_reason == "cancelled"
+
+
+class LateCodec:
+    """The ORT engine with a codec that is ready only after a few polls, as the GPU engine's codec stream may be."""
+
+    class Call:
+        def __init__(self, done, polls):
+            self.done, self.polls = done, polls
+
+        def ready(self):
+            self.polls -= 1
+            return self.polls < 0
+
+        def result(self):
+            return self.done.result()
+
+    def __init__(self, inner, polls):
+        self.inner, self.polls, self.calls = inner, polls, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def codec(self, codes):
+        self.calls.append(self.Call(self.inner.codec(codes), self.polls))
+        return self.calls[-1]
+
+
+def test_audio_decoded_beside_the_steps_arrives_whole_in_order_and_not_after_a_cancel(engine, prompts):
+    def fixed(on_chunk, rows=120):
+        request = request_for(engine, prompts[3], Sampling(), hard_cap=rows, on_chunk=on_chunk)
+        request.fixed_rows = True  # random tiny weights may stop early: several chunks for sure
+        return request
+
+    chunks, late_chunks = [], []
+    scheduler = Scheduler(engine)
+    scheduler.submit(fixed(chunks.append))
+    scheduler.run()
+    late = LateCodec(engine, polls=3)
+    scheduler = Scheduler(late)
+    request = scheduler.submit(fixed(late_chunks.append))
+    while request.first_audio_at is None:
+        scheduler.step()
+    assert len(late_chunks) == 1  # a first chunk is waited for, in the step that started it
+    while scheduler.step():
+        pass
+    assert len(late_chunks) == len(chunks) > 3 and np.array_equal(np.concatenate(late_chunks), np.concatenate(chunks))
+    # the first chunk was taken without asking; later ones once ready (the last step's: waited for, nothing else
+    # left to do)
+    assert request.finished and late.calls[0].polls == 3 and any(call.polls < 0 for call in late.calls[1:])
+
+    # a request cancelled while a chunk of it is decoding gets nothing more
+    got = []
+    victim = scheduler.submit(fixed(got.append, rows=200))
+    for _ in range(400):
+        scheduler.step()
+        if got and scheduler.decoding:
+            break
+    assert got and scheduler.decoding  # its first chunk out, a later one decoding
+    before = len(got)
+    scheduler.cancel(victim)
+    for _ in range(50):
+        if not scheduler.step():
+            break
+    assert victim.stop_reason == "cancelled" and len(got) == before and not scheduler.decoding
