@@ -80,8 +80,7 @@ def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[
 
 
 def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: int, copies: list) -> float:
-    """ms of one linear at M = m. FP8: x as FP8 codes, as the engine feeds every FP8 linear but o (which quantizes
-    attention's output itself)."""
+    """ms of one linear at M = m. FP8: x as FP8 codes, as the engine's decode steps feed every FP8 linear."""
     ws = Workspace(max(n, 16), 64, 1, 1, 16, 16, "cuda")
     x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     if fp8:
@@ -344,7 +343,7 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 64), contexts=(300, 1000), max
                 def run():
                     for kv in caches:
                         kernels.decode_attention_split[(b, hkv, chunks)](
-                            q, kv[0], kv[1], pos, out, partials, stats, tickets, max_seq, Q_HEADS=hq, KV_HEADS=hkv,
+                            q, kv[0], kv[1], pos, out, partials, stats, tickets, max_seq, 1.0, Q_HEADS=hq, KV_HEADS=hkv,
                             HEAD_DIM=d, CHUNK=chunk, BLOCK_S=block, MAX_CHUNKS=chunks, num_warps=warps,
                             num_stages=stages)
                 try:

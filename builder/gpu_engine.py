@@ -18,8 +18,8 @@ invariant (builder/gpu_kernels.py), so a request's codes do not depend on what e
 FP8 (--precision fp8): per-output-channel FP8 weights and the calibration's static per-tensor activation scales, the
 quantisation of the FP8 engine (calibration/qdq.py), executed by the linear kernel's FP8 path (not torch._scaled_mm,
 which is slower than BF16 at decode sizes: ../shared/docs/gpu-measurements.md). Activations are quantized once, by
-the kernel that produces them (the norms, gate|up; o quantizes attention's output itself). The audio table stays
-bf16.
+the kernel that produces them (the norms, decode attention, gate|up; in a prefill o quantizes attention's output
+itself). The audio table stays bf16.
 
 Prefill takes the requests that join together, padded to the longest: their rows go through the same linear kernel
 at once, summed in the decode step's K order, so a row's numbers never depend on the other requests, and one
@@ -243,6 +243,7 @@ class GpuEngine:
         self.qkv_out = torch.zeros(rows, (hq + 2 * hkv) * d, **bf16)
         self.q = torch.zeros(rows, hq * d, **bf16)
         self.attn = torch.zeros(rows, hq * d, **bf16)
+        self.attn8 = torch.zeros(max_batch, hq * d, dtype=FP8_CODES, device=dev) if fp8 else None  # decode: o's codes
         self.heads = torch.zeros(rows, hq * d, **bf16)  # a prefill's scaled q, heads first
         self.act = torch.zeros(rows, cfg.intermediate_size, dtype=FP8_CODES if fp8 else torch.bfloat16, device=dev)
         self.logits = torch.zeros(max_batch, cfg.audio_table_rows, dtype=torch.float32, device=dev)
@@ -313,11 +314,12 @@ class GpuEngine:
             plugin_kernels.qk_norm_rope_kv_write[(n,)](
                 self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.write_pos, self.q, k_cache, v_cache,
                 1, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2, **self._launch())
+            attn = self.attn8 if layer.o.fp8 else self.attn
             plugin_kernels.decode_attention_split[(n, hkv, ws.chunks)](
-                self.q, k_cache, v_cache, self.write_pos, self.attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets,
-                self.max_seq, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
-                MAX_CHUNKS=ws.chunks, **self._launch())
-            layer.o(self.attn, h, n, ws, residual=True)
+                self.q, k_cache, v_cache, self.write_pos, attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets,
+                self.max_seq, layer.o.x_scale, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK,
+                BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=ws.chunks, OUT_FP8=layer.o.fp8, **self._launch())
+            layer.o(attn, h, n, ws, residual=True)
             x = self._norm(h, layer.post_norm, n, layer.gate_up)
             layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)
             layer.down(self.act, h, n, ws, residual=True)

@@ -25,15 +25,7 @@ linear: y = x Wᵀ for W [N, K] (the checkpoint's layout, read once per step: de
 import triton
 import triton.language as tl
 
-from higgs_trt.plugins.kernels import await_inputs, mma, to_fp8
-
-FP8_MAX = tl.constexpr(448.0)
-
-
-@triton.jit
-def _quantize(v, scale):
-    """fp32 → FP8 codes as QuantizeLinear does: v / scale, saturated, round to nearest even."""
-    return to_fp8(tl.clamp(v / scale, -FP8_MAX, FP8_MAX))
+from higgs_trt.plugins.kernels import await_inputs, mma, quantize
 
 
 @triton.jit
@@ -42,7 +34,7 @@ def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, X_FP8: tl.constex
     here); zero rows past M and columns past K."""
     tile = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
     if FP8 and not X_FP8:
-        tile = _quantize(tile.to(tl.float32), x_scale)
+        tile = quantize(tile.to(tl.float32), x_scale)
     return tile
 
 
@@ -68,7 +60,7 @@ def _finish(y, rows, n, M, out, res, w_scale, x_scale, out_scale,
     if OUT_F32:
         tl.store(out + rows[:, None] * N + n[None, :], y, mask=mask)
     elif OUT_FP8:
-        y = _quantize(y.to(tl.bfloat16).to(tl.float32), out_scale)
+        y = quantize(y.to(tl.bfloat16).to(tl.float32), out_scale)
         tl.store(out + rows[:, None] * N + n[None, :], y, mask=mask)
     else:
         tl.store(out + rows[:, None] * N + n[None, :], y.to(tl.bfloat16), mask=mask)
@@ -240,7 +232,7 @@ def rms_norm(x, weight, out, eps, out_scale, H: tl.constexpr, BLOCK: tl.constexp
     w = tl.load(weight + h, mask=inside, other=0.0).to(tl.float32)
     y = (w * (v * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
     if OUT_FP8:
-        tl.store(out + row * H + h, _quantize(y.to(tl.float32), out_scale), mask=inside)
+        tl.store(out + row * H + h, quantize(y.to(tl.float32), out_scale), mask=inside)
     else:
         tl.store(out + row * H + h, y, mask=inside)
 

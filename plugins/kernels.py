@@ -32,6 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 BOC = tl.constexpr(1024)
 EOC = tl.constexpr(1025)
+FP8_MAX = tl.constexpr(448.0)
 NEG = tl.constexpr(-1.0e30)  # a running max that no real score is below, and exp(NEG - NEG) = 1 stays finite
 
 
@@ -70,6 +71,12 @@ def to_fp8(v):
         r = tl.where((r - y == 0.5) & (r % 2 == 1), r - 1.0, r)
         v = tl.where(v < 0, -r * step, r * step)
     return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize(v, scale):
+    """fp32 → FP8 codes as QuantizeLinear does: v / scale, saturated, round to nearest even."""
+    return to_fp8(tl.clamp(v / scale, -FP8_MAX, FP8_MAX))
 
 
 @triton.jit
@@ -215,12 +222,15 @@ def decode_attention(q, k_cache, v_cache, write_pos,
 
 
 @triton.jit
-def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats, tickets, max_seq,
+def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats, tickets, max_seq, out_scale,
                      Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
+                     OUT_FP8: tl.constexpr = False):
     """GPU path, one new row per batch row: q [B, Hq·D] → out [B, Hq·D]. Grid (B, Hkv, MAX_CHUNKS); program c reads
     keys [c·CHUNK, (c+1)·CHUNK) of the row's prefix 0..write_pos[b]. A prefix of several chunks is combined, in chunk
-    order, by the program that finishes last (partials [B, Hq, MAX_CHUNKS, D], stats [B, Hq, MAX_CHUNKS, 2] fp32)."""
+    order, by the program that finishes last (partials [B, Hq, MAX_CHUNKS, D], stats [B, Hq, MAX_CHUNKS, 2] fp32).
+    OUT_FP8: out holds the bf16 result quantized at out_scale, the FP8 o projection's input (quantized once here,
+    not in each of that GEMM's programs: at 64 rows they spent more time quantizing than reading weights)."""
     await_inputs(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -243,7 +253,7 @@ def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats,
                             q_pos, HEAD_DIM, BLOCK_S)
         chunks = (length + CHUNK - 1) // CHUNK
         if chunks == 1:
-            tl.store(out + q_rows[:, None] + d[None, :], (acc / l[:, None]).to(tl.bfloat16), mask=valid[:, None])
+            _store_attention(out, q_rows, d, acc / l[:, None], valid, out_scale, OUT_FP8)
         else:
             part = (b * Q_HEADS + head) * MAX_CHUNKS
             tl.store(partials + (part + c)[:, None] * HEAD_DIM + d[None, :], acc, mask=valid[:, None])
@@ -264,9 +274,16 @@ def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats,
                     total += w[:, None] * tl.load(partials + (part + i)[:, None] * HEAD_DIM + d[None, :],
                                                   mask=valid[:, None], other=0.0, cache_modifier=".cg")
                 norm = tl.where(valid, norm, 1.0)
-                tl.store(out + q_rows[:, None] + d[None, :], (total / norm[:, None]).to(tl.bfloat16),
-                         mask=valid[:, None])
+                _store_attention(out, q_rows, d, total / norm[:, None], valid, out_scale, OUT_FP8)
                 tl.atomic_xchg(tickets + b * KV_HEADS + g, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _store_attention(out, q_rows, d, value, valid, out_scale, OUT_FP8: tl.constexpr):
+    value = value.to(tl.bfloat16)
+    if OUT_FP8:
+        value = quantize(value.to(tl.float32), out_scale)
+    tl.store(out + q_rows[:, None] + d[None, :], value, mask=valid[:, None])
 
 
 @triton.jit

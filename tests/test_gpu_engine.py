@@ -87,7 +87,7 @@ def test_decode_attention_at_higgs_dimensions():
         tickets = torch.zeros(len(rows) * HKV, device="cuda", dtype=torch.int32)
         pos = torch.tensor([lengths[r] - 1 for r in rows], device="cuda")
         kernels.decode_attention_split[(len(rows), HKV, chunks)](
-            q[rows], kc[rows], vc[rows], pos, out, parts, stats, tickets, S_MAX, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D,
+            q[rows], kc[rows], vc[rows], pos, out, parts, stats, tickets, S_MAX, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D,
             CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks)
         torch.cuda.synchronize()
         assert not tickets.any()

@@ -266,19 +266,24 @@ for b, n in enumerate(lengths):
     vc[b, :, n:] = float("nan")
 chunk = 16
 chunks = -(-SM // chunk)
-def attend(q, kc, vc, lengths):
+def attend(q, kc, vc, lengths, fp8_scale=None):
     b = len(lengths)
     out = torch.full((b, Hq * D), float("nan")).bfloat16()
+    if fp8_scale:  # the FP8 o projection's input: the bf16 result quantized here
+        out = torch.zeros(b, Hq * D, dtype=torch.float8_e4m3fn)
     parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
     tickets = torch.zeros(b * Hkv, dtype=torch.int32)
-    kernels.decode_attention_split[(b, Hkv, chunks)](q, kc, vc, torch.tensor(lengths) - 1, out, parts, stats, tickets, SM,
-                                               Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16,
-                                               MAX_CHUNKS=chunks)
+    kernels.decode_attention_split[(b, Hkv, chunks)](
+        q, kc, vc, torch.tensor(lengths) - 1, out, parts, stats, tickets, SM, fp8_scale or 1.0, Q_HEADS=Hq,
+        KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks, OUT_FP8=bool(fp8_scale))
     assert not tickets.any()
     return out.view(b, Hq, D)
 got = attend(q, kc, vc, lengths)
 ref = reference(q, kc, vc, lengths)
 assert ((got.float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all(), float((got.float() - ref).abs().max())
+codes = attend(q, kc, vc, lengths, fp8_scale=0.004)
+expected = (got.float() / 0.004).clamp(-448, 448).to(torch.float8_e4m3fn)
+assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
 # a row's result is its own: the same row alone, or beside rows of other lengths, is bit for bit the same
 for b in range(B):
     assert torch.equal(attend(q[b:b + 1], kc[b:b + 1], vc[b:b + 1], lengths[b:b + 1])[0], got[b])
