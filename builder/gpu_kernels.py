@@ -121,12 +121,8 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
             n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             y, u = _k_range(x, w, w_up, tl.where(n < N, n, 0), r, s, M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K,
                             ROWS, FP8, X_FP8, GATED, FP8_SPAN)
-            if SPLIT_K == 1:
-                _epilogue(y, u, r, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8, GATED, RESIDUAL,
-                          OUT_F32, OUT_FP8)
-            else:
-                _split_k_reduce(y, u, pid_n, s, n, r, M, out, res, partials, tickets, w_scale, w_up_scale, x_scale,
-                                out_scale, N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, OUT_FP8)
+            _store_unit(y, u, pid_n, s, n, 0, r, M, out, res, partials, tickets, w_scale, w_up_scale, x_scale,
+                        out_scale, N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, OUT_FP8)
     else:
         _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale, out_scale, N, K, K_SPLIT,
                BLOCK_N, BLOCK_K, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, SPLITS_IN_PROGRAM, FP8_SPAN, X_FP8,
@@ -135,8 +131,8 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
 
 @triton.jit
 def _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale, out_scale, N: tl.constexpr,
-           K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ROWS: tl.constexpr,
-           FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
+           K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+           ROWS: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
            SPLITS_IN_PROGRAM: tl.constexpr, FP8_SPAN: tl.constexpr, X_FP8: tl.constexpr, OUT_FP8: tl.constexpr):
     """One program per (row chunk, weight tile, K range) of the grid, or per (row chunk, weight tile) with the
     ranges in the program."""
@@ -159,13 +155,8 @@ def _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_sc
         else:
             y, u = _k_range(x, w, w_up, w_rows, m0 + r, tl.program_id(2), M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K,
                             ROWS, FP8, X_FP8, GATED, FP8_SPAN)
-            if SPLIT_K == 1:
-                _epilogue(y, u, m0 + r, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8, GATED,
-                          RESIDUAL, OUT_F32, OUT_FP8)
-            else:
-                _split_k_reduce(y, u, pid_n, tl.program_id(2), n, r, M, out, res, partials, tickets, w_scale,
-                                w_up_scale, x_scale, out_scale, N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32,
-                                OUT_FP8)
+            _store_unit(y, u, pid_n, tl.program_id(2), n, m0, r, M, out, res, partials, tickets, w_scale, w_up_scale,
+                        x_scale, out_scale, N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, OUT_FP8)
 
 
 @triton.jit
@@ -182,6 +173,20 @@ def _k_range(x, w, w_up, w_rows, rows, s, M, x_scale, K: tl.constexpr, K_SPLIT: 
         if GATED:
             up = mma(_w_tile(w_up, w_rows, k, K, BLOCK_K), xt, up, FP8_SPAN)
     return tl.trans(acc), tl.trans(up)
+
+
+@triton.jit
+def _store_unit(y, u, pid_n, s, n, m0, r, M, out, res, partials, tickets, w_scale, w_up_scale, x_scale, out_scale,
+                N: tl.constexpr, SPLIT_K: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr,
+                RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr, OUT_FP8: tl.constexpr):
+    """The sums of one (weight tile, K range) unit for rows m0 + r: through the epilogue when K is one range, else
+    into the split reduction (split programs hold every row: m0 = 0)."""
+    if SPLIT_K == 1:
+        _epilogue(y, u, m0 + r, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8, GATED, RESIDUAL,
+                  OUT_F32, OUT_FP8)
+    else:
+        _split_k_reduce(y, u, pid_n, s, n, r, M, out, res, partials, tickets, w_scale, w_up_scale, x_scale, out_scale,
+                        N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, OUT_FP8)
 
 
 @triton.jit
