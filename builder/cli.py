@@ -73,7 +73,8 @@ def bench_linear(budget, precision, tiles):
     """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1, 16, 32, 64 (needs a
     GPU). With --tiles all the budget is split between the sweeps, each starting from the previous one's winners."""
     with extras.needed("gpu", "bench linear"):
-        from higgs_trt.builder.gpu_bench import HIGGS_V3, sweep_linear, sweep_persistent, sweep_wide
+        from higgs_trt.builder.config import HIGGS_V3
+        from higgs_trt.builder.gpu_bench import sweep_linear, sweep_persistent, sweep_wide
     fp8_options = {"bf16": (False,), "fp8": (True,), "both": (False, True)}[precision]
     sweeps = {"narrow": ("narrow tiles (M = 1 to 16)", sweep_linear),
               "wide": ("wide tiles (M = 17 to 64)", sweep_wide),
@@ -90,7 +91,8 @@ def bench_attention():
     """The GPU engine's decode attention at Higgs v3's heads: chunk, key block, warps and stages timed at B = 1, 64
     and 300, 1000 cached positions (needs a GPU)."""
     with extras.needed("gpu", "bench attention"):
-        from higgs_trt.builder.gpu_bench import HIGGS_V3, sweep_attention
+        from higgs_trt.builder.config import HIGGS_V3
+        from higgs_trt.builder.gpu_bench import sweep_attention
     sweep_attention(HIGGS_V3, say=click.echo)
 
 

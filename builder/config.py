@@ -37,6 +37,10 @@ class HiggsConfig:
         return asdict(self)
 
 
+# Higgs Audio v3's decoder (Qwen3 backbone): the dimensions GPU benchmarks use with random weights.
+HIGGS_V3 = HiggsConfig(2560, 36, 32, 8, 128, 9728, 151936, 1e-6, 1e6, 32768)
+
+
 # Sane bounds for each size (far above any Qwen3 model): a config beyond them is a typo, not a model to allocate.
 LIMITS = {"hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
           "num_key_value_heads": 1024, "head_dim": 1024, "intermediate_size": 1 << 20, "vocab_size": 1 << 22,

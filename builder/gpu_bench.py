@@ -19,7 +19,6 @@ from .gpu_engine import BUCKETS, TUNED, GpuEngine, Linear, TileConfig, Workspace
 from .model import HiggsLM
 
 REPS = 30
-HIGGS_V3 = HiggsConfig(2560, 36, 32, 8, 128, 9728, 151936, 1e-6, 1e6, 32768)  # the decoder's dimensions
 
 
 def random_tensors(cfg: HiggsConfig, device: str = "cuda", seed: int = 0) -> dict:

@@ -11,14 +11,16 @@ import torch
 import triton
 from torch.onnx import ops as onnx_ops
 
-from higgs_trt.builder.config import HiggsConfig
+from higgs_trt.builder.config import HIGGS_V3
 from higgs_trt.builder.model import rope_table
 
 from . import kernels
 from .aot import NUM_WARPS, constants_for, grid
 from .ops import delayed_codebook_step
 
-LAYERS, HQ, HKV, D, HIDDEN, S_MAX, K, V = 36, 32, 8, 128, 2560, 2048, 8, 1026
+LAYERS, HQ, HKV, D, HIDDEN = (HIGGS_V3.num_layers, HIGGS_V3.num_heads, HIGGS_V3.num_kv_heads, HIGGS_V3.head_dim,
+                              HIGGS_V3.hidden_size)
+S_MAX, K, V = 2048, 8, 1026
 REPS = 20
 
 
@@ -57,8 +59,7 @@ def copy_bandwidth() -> float:
 
 
 def bench_rope(b: int) -> dict:
-    cfg = HiggsConfig(HIDDEN, LAYERS, HQ, HKV, D, 9728, 151936, 1e-6, 1e6, 32768)
-    cos, sin = (t.cuda() for t in rope_table(cfg, S_MAX, torch.bfloat16))
+    cos, sin = (t.cuda() for t in rope_table(HIGGS_V3, S_MAX, torch.bfloat16))
     q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, HKV, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     caches = [torch.randn(b, HKV, S_MAX, D, device="cuda", dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
