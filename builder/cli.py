@@ -57,6 +57,7 @@ def bench_kernels():
     """Plugin kernels vs the torch eager ops they replace, and vs the device's copy bandwidth (needs a GPU)."""
     with extras.needed("gpu", "bench kernels"):
         from higgs_trt.plugins.bench import run as run_kernel_bench
+    extras.require_cuda("bench kernels")
     for line in run_kernel_bench():
         click.echo(line)
 
@@ -75,6 +76,7 @@ def bench_linear(budget, precision, tiles):
     with extras.needed("gpu", "bench linear"):
         from higgs_trt.builder.config import HIGGS_V3
         from higgs_trt.builder.gpu_bench import sweep_linear, sweep_persistent, sweep_wide
+    extras.require_cuda("bench linear")
     fp8_options = {"bf16": (False,), "fp8": (True,), "both": (False, True)}[precision]
     sweeps = {"narrow": ("narrow tiles (M = 1 to 16)", sweep_linear),
               "wide": ("wide tiles (M = 17 to 64)", sweep_wide),
@@ -93,6 +95,7 @@ def bench_attention():
     with extras.needed("gpu", "bench attention"):
         from higgs_trt.builder.config import HIGGS_V3
         from higgs_trt.builder.gpu_bench import sweep_attention
+    extras.require_cuda("bench attention")
     sweep_attention(HIGGS_V3, say=click.echo)
 
 

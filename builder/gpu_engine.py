@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from higgs_trt.calibration.qdq import bf16_scale, fake_quantize_weight, quantize_weight
 from higgs_trt.plugins import kernels as plugin_kernels
 from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
-from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime import extras
 from higgs_trt.runtime.generate import NO_END
 from higgs_trt.runtime.prompt import Prompt
 from higgs_trt.runtime.stepper import Decoded
@@ -611,8 +611,7 @@ def load_gpu_engine(source, *, max_seq: int, max_batch: int, max_prompt: int, ac
     from .codec import CodecDecoder
     from .model import HiggsLM
 
-    if not torch.cuda.is_available():
-        raise HiggsError("the GPU engine needs torch with CUDA and an NVIDIA GPU")
+    extras.require_cuda("the GPU engine")
     cfg = source.config
     tensors = source.take(HiggsLM.expected_tensors(cfg), "language model")
     codec = CodecDecoder.from_checkpoint(source).to("cuda")

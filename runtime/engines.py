@@ -98,8 +98,8 @@ def open_engine(sources: Sources, *, device: str = "auto", max_seq: int = 2048, 
 def _torch(engine: EngineDir | None, ckpt, device: str, max_seq: int, max_batch: int, precision: str | None, say):
     with extras.needed("builder", "--backend torch"):
         import torch
-    if device == "cuda" and not torch.cuda.is_available():
-        raise HiggsError("--device cuda needs torch built with CUDA and an NVIDIA GPU")
+    if device == "cuda":
+        extras.require_cuda("--device cuda")
     if device == "cpu" or not torch.cuda.is_available():
         if ckpt is None:
             raise HiggsError("--backend torch on the CPU runs the fp32 reference model: it needs --checkpoint")

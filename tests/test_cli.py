@@ -6,6 +6,8 @@ import sys
 import wave
 
 import numpy as np
+import pytest
+import torch
 from click.testing import CliRunner
 
 from higgs_trt.runtime.cli import main
@@ -105,6 +107,14 @@ def test_bad_reference_codes(tiny_ckpt, tmp_path):
 def test_help_lists_commands():
     r = higgs_in_process("--help")
     assert r.exit_code == 0 and "run" in r.stdout and "tiny-checkpoint" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an NVIDIA GPU")
+@pytest.mark.parametrize("command", ["kernels", "linear", "attention"])
+def test_gpu_benchmarks_without_a_gpu_are_refused_in_one_line(command):
+    r = higgs("bench", command)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"Error: bench {command} needs torch built with CUDA and an NVIDIA GPU"
 
 
 def test_bench_decode_on_an_engine_with_few_slots_runs_with_the_defaults(tiny_engine):
