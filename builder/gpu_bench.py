@@ -100,42 +100,38 @@ def sweep_linear(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, 
     bandwidth = copy_bandwidth()
     say(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     best = {}
-    order = ("gate_up", "down", "qkv", "o", "head")  # largest share of the step first
-    for name, (n, k, gated) in sorted(shapes(cfg).items(), key=lambda kv: order.index(kv[0])):
-        for fp8 in (f for f in fp8_options if not (f and name == "head")):  # the head is bf16 in both precisions
-            if time.perf_counter() > t_end:
-                say(f"  {name} {'fp8' if fp8 else 'bf16'}: skipped (time budget)")
+    for name, label, n, k, gated, fp8 in _shapes_in_budget(cfg, fp8_options, t_end, say,
+                                                          order=("gate_up", "down", "qkv", "o", "head")):
+        copies = _copies(n, k, gated, fp8)
+        size = copies[0].weight.nbytes * (2 if gated else 1)
+        results = []
+        for tiles in candidates(n, k, gated, fp8):
+            try:
+                results.append((time_linear(n, k, gated, fp8, tiles, 1, copies), tiles))
+            except Exception as e:  # a tile shape the compiler refuses (shared memory, registers)
+                say(f"    {tiles}: {type(e).__name__}")
+        results.sort(key=lambda r: r[0])
+        finals = []
+        for t1, tiles in results[:5]:
+            try:
+                tiles, times = _where_in_program(n, k, gated, fp8, tiles, copies)
+            except Exception as e:  # fits 16 rows of x but not 64
+                say(f"    {tiles} at M=64: {type(e).__name__}")
                 continue
-            copies = _copies(n, k, gated, fp8)
-            size = copies[0].weight.nbytes * (2 if gated else 1)
-            results = []
-            for tiles in candidates(n, k, gated, fp8):
-                try:
-                    results.append((time_linear(n, k, gated, fp8, tiles, 1, copies), tiles))
-                except Exception as e:  # a tile shape the compiler refuses (shared memory, registers)
-                    say(f"    {tiles}: {type(e).__name__}")
-            results.sort(key=lambda r: r[0])
-            finals = []
-            for t1, tiles in results[:5]:
-                try:
-                    tiles, times = _where_in_program(n, k, gated, fp8, tiles, copies)
-                except Exception as e:  # fits 16 rows of x but not 64
-                    say(f"    {tiles} at M=64: {type(e).__name__}")
-                    continue
-                finals.append((t1 + times[64], t1, times, tiles))
-            if not finals:
-                say(f"  {name} {'fp8' if fp8 else 'bf16'}: no tile shape ran at M=64")
-                continue
-            finals.sort(key=lambda r: r[0])
-            for _, t1, times, tiles in finals[1:]:
-                say(f"    also {t1 * 1e3:7.1f} / {' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs  {tiles}")
-            _, t1, times, tiles = finals[0]
-            best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles = _keep_wide(tiles, TUNED.get((n, k, fp8)))
-            say(f"  {name:<8}{'fp8' if fp8 else 'bf16':<5} N={n:<6}K={k:<6} {t1 * 1e3:7.1f} / "
-                f"{' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs at M=1/16/32/64  "
-                f"{size / (t1 * 1e-3) / 1e12:5.2f} TB/s at M=1  "
-                f"({100 * size / (t1 * 1e-3) / bandwidth:4.1f}% of copy)  {tiles}")
-            del copies
+            finals.append((t1 + times[64], t1, times, tiles))
+        if not finals:
+            say(f"  {label}: no tile shape ran at M=64")
+            continue
+        finals.sort(key=lambda r: r[0])
+        for _, t1, times, tiles in finals[1:]:
+            say(f"    also {t1 * 1e3:7.1f} / {' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs  {tiles}")
+        _, t1, times, tiles = finals[0]
+        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles = _keep_wide(tiles, TUNED.get((n, k, fp8)))
+        say(f"  {name:<8}{'fp8' if fp8 else 'bf16':<5} N={n:<6}K={k:<6} {t1 * 1e3:7.1f} / "
+            f"{' / '.join(f'{t * 1e3:.1f}' for t in times.values())} µs at M=1/16/32/64  "
+            f"{size / (t1 * 1e-3) / 1e12:5.2f} TB/s at M=1  "
+            f"({100 * size / (t1 * 1e-3) / bandwidth:4.1f}% of copy)  {tiles}")
+        del copies
     return best
 
 
@@ -175,24 +171,19 @@ def sweep_wide(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, Tr
     they beat the narrow ones at M=64."""
     t_end = time.perf_counter() + budget_s
     best = {}
-    for name, (n, k, gated) in shapes(cfg).items():
-        for fp8 in (f for f in fp8_options if not (f and name == "head")):
-            label = f"{name} {'fp8' if fp8 else 'bf16'}"
-            if time.perf_counter() > t_end:
-                say(f"  {label}: skipped (time budget)")
-                continue
-            tuned = replace(TUNED.get((n, k, fp8)) or candidates(n, k, gated, fp8)[0], wide=None)
-            copies = _copies(n, k, gated, fp8)
-            choices = []
-            for wgmma in (tuned.block_n >= 64, tuned.block_n < 64):
-                try:
-                    choices.append(_best_in_family(n, k, gated, fp8, tuned, wgmma, copies, say))
-                except Exception as e:  # no tile shape of this family ran
-                    say(f"    {'wgmma' if wgmma else 'mma.sync'}: {type(e).__name__}")
-            _, tiles = min(choices, key=lambda c: c[0])
-            best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles
-            say(f"  {label:<10} → {tiles}")
-            del copies
+    for _, label, n, k, gated, fp8 in _shapes_in_budget(cfg, fp8_options, t_end, say):
+        tuned = replace(TUNED.get((n, k, fp8)) or candidates(n, k, gated, fp8)[0], wide=None)
+        copies = _copies(n, k, gated, fp8)
+        choices = []
+        for wgmma in (tuned.block_n >= 64, tuned.block_n < 64):
+            try:
+                choices.append(_best_in_family(n, k, gated, fp8, tuned, wgmma, copies, say))
+            except Exception as e:  # no tile shape of this family ran
+                say(f"    {'wgmma' if wgmma else 'mma.sync'}: {type(e).__name__}")
+        _, tiles = min(choices, key=lambda c: c[0])
+        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles
+        say(f"  {label:<10} → {tiles}")
+        del copies
     return best
 
 
@@ -230,38 +221,48 @@ def sweep_persistent(cfg: HiggsConfig, budget_s: float = 120.0, fp8_options=(Fal
     programs are tuned for a few rows)."""
     t_end = time.perf_counter() + budget_s
     best = {}
-    for name, (n, k, gated) in shapes(cfg).items():
+    for _, label, n, k, gated, fp8 in _shapes_in_budget(cfg, fp8_options, t_end, say):
+        if (n, k, fp8) not in TUNED:
+            say(f"  {label}: skipped (no tiles in TUNED to start from)")
+            continue
+        base = replace(TUNED[n, k, fp8], persistent=0)
+        copies = _copies(n, k, gated, fp8)
+        variants = [base] + [replace(base, persistent=p, stages=s) for p in (1, 2, 3, 4)
+                             for s in (base.stages, base.stages + 1)]
+        timed = []
+        for tiles in variants:
+            try:
+                timed.append((time_linear(n, k, gated, fp8, tiles, 1, copies), tiles))
+            except Exception as e:  # shared memory
+                say(f"    {tiles}: {type(e).__name__}")
+        finals = [(t1, {m: time_linear(n, k, gated, fp8, tiles, m, copies) for m in (8, 16)}, tiles)
+                  for t1, tiles in sorted(timed, key=lambda r: r[0])[:3]]
+        if base not in [t for *_, t in finals]:  # one program per unit, for comparison
+            t1 = next(t for t, tiles in timed if tiles == base)
+            finals.append((t1, {m: time_linear(n, k, gated, fp8, base, m, copies) for m in (8, 16)}, base))
+        finals.sort(key=lambda f: f[0] + sum(f[1].values()))
+        for t1, times, tiles in finals:
+            say(f"    {t1 * 1e3:5.1f} / {_us(times)} µs at M=1/8/16  persistent {tiles.persistent} "
+                f"stages {tiles.stages}")
+        chosen = finals[0][2]
+        if chosen != base and chosen.wide is None:  # from 17 rows on, the tiles as they were
+            chosen = replace(chosen, wide=base)
+        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = chosen
+        say(f"  {label:<10} → {chosen}")
+        del copies
+    return best
+
+
+def _shapes_in_budget(cfg: HiggsConfig, fp8_options, t_end: float, say, order=None):
+    """(name, label, N, K, gated, fp8) of each weight shape and precision to sweep (the audio head is bf16 in both
+    precisions), `order`'s names first; once the time budget is spent, the rest are named as skipped."""
+    for name, (n, k, gated) in sorted(shapes(cfg).items(), key=lambda kv: order.index(kv[0]) if order else 0):
         for fp8 in (f for f in fp8_options if not (f and name == "head")):
             label = f"{name} {'fp8' if fp8 else 'bf16'}"
-            if time.perf_counter() > t_end or (n, k, fp8) not in TUNED:
-                say(f"  {label}: skipped")
+            if time.perf_counter() > t_end:
+                say(f"  {label}: skipped (time budget)")
                 continue
-            base = replace(TUNED[n, k, fp8], persistent=0)
-            copies = _copies(n, k, gated, fp8)
-            variants = [base] + [replace(base, persistent=p, stages=s) for p in (1, 2, 3, 4)
-                                 for s in (base.stages, base.stages + 1)]
-            timed = []
-            for tiles in variants:
-                try:
-                    timed.append((time_linear(n, k, gated, fp8, tiles, 1, copies), tiles))
-                except Exception as e:  # shared memory
-                    say(f"    {tiles}: {type(e).__name__}")
-            finals = [(t1, {m: time_linear(n, k, gated, fp8, tiles, m, copies) for m in (8, 16)}, tiles)
-                      for t1, tiles in sorted(timed, key=lambda r: r[0])[:3]]
-            if base not in [t for *_, t in finals]:  # one program per unit, for comparison
-                t1 = next(t for t, tiles in timed if tiles == base)
-                finals.append((t1, {m: time_linear(n, k, gated, fp8, base, m, copies) for m in (8, 16)}, base))
-            finals.sort(key=lambda f: f[0] + sum(f[1].values()))
-            for t1, times, tiles in finals:
-                say(f"    {t1 * 1e3:5.1f} / {_us(times)} µs at M=1/8/16  persistent {tiles.persistent} "
-                    f"stages {tiles.stages}")
-            chosen = finals[0][2]
-            if chosen != base and chosen.wide is None:  # from 17 rows on, the tiles as they were
-                chosen = replace(chosen, wide=base)
-            best[(n, k, fp8)] = TUNED[(n, k, fp8)] = chosen
-            say(f"  {label:<10} → {chosen}")
-            del copies
-    return best
+            yield name, label, n, k, gated, fp8
 
 
 def _keep_wide(tiles: TileConfig, previous: TileConfig | None) -> TileConfig:
