@@ -90,8 +90,8 @@ def bench_linear(budget, precision, tiles):
 
 @click.command("attention")
 def bench_attention():
-    """The GPU engine's decode attention at Higgs v3's heads: chunk, key block, warps and stages timed at B = 1, 64
-    and 300, 1000 cached positions (needs a GPU)."""
+    """The GPU engine's decode attention at Higgs v3's heads: chunk, key block and pipeline stages timed
+    at B = 1, 8, 64 and 300, 1000 cached positions (needs a GPU)."""
     with extras.needed("gpu", "bench attention"):
         from higgs_trt.builder.config import HIGGS_V3
         from higgs_trt.builder.gpu_bench import sweep_attention

@@ -313,24 +313,27 @@ def _clone(lin: Linear) -> Linear:
 
 # ---- decode attention ----------------------------------------------------------------------------------------------
 
-def sweep_attention(cfg: HiggsConfig, batches=(1, 64), contexts=(300, 1000), max_seq: int = 2048, say=print) -> None:
-    """decode_attention_split's chunk, key block, warps and pipeline stages, timed at each batch and context (µs per
-    layer; every slot at `context` cached positions, four layers' caches in turn so that none is in L2), against the
-    bytes of keys and values read at the copy bandwidth."""
+def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), max_seq: int = 2048,
+                    say=print) -> None:
+    """decode_attention_split's chunk, key block and pipeline stages, timed at each batch and context (µs per layer; every slot at `context` cached positions, four layers'
+    caches in turn so that none is in L2), against the bytes of keys and values read at the copy bandwidth."""
     from higgs_trt.plugins import kernels
+
+    from .model import rope_table
 
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     bandwidth = copy_bandwidth()
     b_max = max(batches)
     caches = [torch.randn(2, b_max, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    q = torch.randn(b_max, hq * d, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
+    qkv = torch.randn(b_max, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    norm = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    cos, sin = (t.cuda() for t in rope_table(cfg, max_seq, torch.bfloat16))
+    out = torch.empty(b_max, hq * d, device="cuda", dtype=torch.bfloat16)
     pos = torch.zeros(b_max, dtype=torch.int64, device="cuda")
-    variants = [(chunk, block, warps, stages) for chunk in (256, 512) for block in (32, 64, 128) for warps in (4, 8)
-                for stages in (2, 3, 4) if block < chunk]
+    variants = [(chunk, block, stages) for chunk in (128, 256, 512) for block in (32, 64) for stages in (2, 3)]
     say("decode attention, µs per layer (× the copy rate's time for its keys and values) at "
         + ", ".join(f"B={b} S={c}" for b in batches for c in contexts))
-    for chunk, block, warps, stages in variants:
+    for chunk, block, stages in variants:
         chunks = -(-max_seq // chunk)
         partials = torch.empty(b_max, hq, chunks, d, device="cuda")
         stats = torch.empty(b_max, hq, chunks, 2, device="cuda")
@@ -343,9 +346,9 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 64), contexts=(300, 1000), max
                 def run():
                     for kv in caches:
                         kernels.decode_attention_split[(b, hkv, chunks)](
-                            q, kv[0], kv[1], pos, out, partials, stats, tickets, max_seq, 1.0, Q_HEADS=hq, KV_HEADS=hkv,
-                            HEAD_DIM=d, CHUNK=chunk, BLOCK_S=block, MAX_CHUNKS=chunks, num_warps=warps,
-                            num_stages=stages)
+                            qkv, norm, norm, cos, sin, kv[0], kv[1], pos, out, partials, stats, tickets, max_seq,
+                            cfg.rms_norm_eps, 1.0, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=chunk, BLOCK_S=block,
+                            MAX_CHUNKS=chunks, num_stages=stages)
                 try:
                     us = graph_ms(run) / len(caches) * 1e3
                 except Exception as e:  # shared memory, registers
@@ -353,7 +356,7 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 64), contexts=(300, 1000), max
                     continue
                 floor_us = 2 * b * hkv * context * d * 2 / bandwidth * 1e6
                 figures.append(f"{us:6.1f} ({us / floor_us:3.1f}×)")
-        say(f"  chunk {chunk:<4} block {block:<4} warps {warps} stages {stages}: {'  '.join(figures)}")
+        say(f"  chunk {chunk:<4} block {block:<3} stages {stages}: {'  '.join(figures)}")
 
 
 # ---- the decode step --------------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ This is `--backend torch` on a GPU and the measure of what the engines cost on r
 contract (fixed slots of [Hkv, S_max, D] caches, a prefill into one slot, one step for the first n slots) and runs
 every decode-step operation as one of the project's kernels:
 
-  per layer: rms_norm → linear(q|k|v) → qk_norm_rope_kv_write (cache written in place) → decode_attention (each
-             row's valid prefix only) → linear(o) + residual → rms_norm → linear(gate, up) · silu → linear(down) +
-             residual
+  per layer: rms_norm → linear(q|k|v) → decode_attention_split (q/k norm and RoPE, k and v written into the cache
+             in place, attention over each row's valid prefix only) → linear(o) + residual → rms_norm →
+             linear(gate, up) · silu → linear(down) + residual
   then:      rms_norm → linear(audio table) → delayed_codebook_sample (argmax or seeded sampling, delay mask, end
              frame, next row's embedding) → advance_slots
 
@@ -42,6 +42,7 @@ from higgs_trt.runtime import extras
 from higgs_trt.runtime.generate import NO_END
 from higgs_trt.runtime.prompt import Prompt
 from higgs_trt.runtime.stepper import Decoded
+from higgs_trt.runtime.streaming import StreamPlan
 
 from . import gpu_kernels
 from .config import HiggsConfig
@@ -54,8 +55,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STEP_ROWS = {1: 4}
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured one-prompt prefills
 PREFILL_PROMPTS = 4  # a prefill pass holds the rows of this many longest prompts (more when they are shorter)
-ATTENTION_CHUNK = 256  # keys per decode-attention program; a row's split depends only on its own length
+# decode attention: keys per program (a row's split depends only on its own length), per block, pipeline stages
+# (`higgs-trt bench attention`; the README has the figures behind the choice)
+ATTENTION_CHUNK = 512
 ATTENTION_BLOCK = 64
+ATTENTION_STAGES = 3
 PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention program
 SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for the compiler's own
 # FP8 products one wgmma instruction sums in the tensor core's reduced precision before fp32 (plugins/kernels.mma):
@@ -241,7 +245,7 @@ class GpuEngine:
         fp8 = self.precision == "fp8"  # FP8: the norms give q|k|v and gate|up codes, gate|up gives down codes
         self.x8 = torch.zeros(rows, h, dtype=FP8_CODES, device=dev) if fp8 else None
         self.qkv_out = torch.zeros(rows, (hq + 2 * hkv) * d, **bf16)
-        self.q = torch.zeros(rows, hq * d, **bf16)
+        self.q = torch.zeros(rows, hq * d, **bf16)  # a prefill's q after norm and RoPE
         self.attn = torch.zeros(rows, hq * d, **bf16)
         self.attn8 = torch.zeros(max_batch, hq * d, dtype=FP8_CODES, device=dev) if fp8 else None  # decode: o's codes
         self.heads = torch.zeros(rows, hq * d, **bf16)  # a prefill's scaled q, heads first
@@ -297,8 +301,11 @@ class GpuEngine:
         self.prompt_copied = torch.cuda.Event() if pinned else None
         self.prompt_h = torch.zeros(rows, h, **bf16)
         self.stage = torch.zeros(cfg.num_layers, 2, rows * hkv * d, **bf16)
+        self.codec_graphs: dict = {}  # (windows, frames) → (graph, its codes input, its waveform output)
         if graphs and dev.type == "cuda":
             self._capture_all()
+            if codec is not None:
+                self._capture_codec()
 
     # ---- the step ------------------------------------------------------------------------------------------------
 
@@ -310,15 +317,12 @@ class GpuEngine:
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm, n, layer.qkv)
             layer.qkv(x, self.qkv_out, n, ws)
-            k_cache, v_cache = self.caches[i, 0], self.caches[i, 1]
-            plugin_kernels.qk_norm_rope_kv_write[(n,)](
-                self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.write_pos, self.q, k_cache, v_cache,
-                1, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2, **self._launch())
             attn = self.attn8 if layer.o.fp8 else self.attn
             plugin_kernels.decode_attention_split[(n, hkv, ws.chunks)](
-                self.q, k_cache, v_cache, self.write_pos, attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets,
-                self.max_seq, layer.o.x_scale, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK,
-                BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=ws.chunks, OUT_FP8=layer.o.fp8, **self._launch())
+                self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.caches[i, 0], self.caches[i, 1],
+                self.write_pos, attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets, self.max_seq, cfg.rms_norm_eps,
+                layer.o.x_scale, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
+                MAX_CHUNKS=ws.chunks, OUT_FP8=layer.o.fp8, num_stages=ATTENTION_STAGES, **self._launch())
             layer.o(attn, h, n, ws, residual=True)
             x = self._norm(h, layer.post_norm, n, layer.gate_up)
             layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)
@@ -393,6 +397,22 @@ class GpuEngine:
                     self._prefill_padded(1, length)
                 self.graphs["prompt", length] = graph
         self.caches.zero_()
+
+    def _capture_codec(self) -> None:
+        """One stream's codec windows of the default exact plan (the first chunk's and the next chunks' lengths), one
+        window each, as CUDA graphs: a window of 18 frames is ~100 small kernels, 4 ms of launches when eager, and
+        the first one is part of the time to first audio."""
+        plan = StreamPlan.exact(self.codec_strides)
+        lengths = {plan.first + plan.right, plan.left + plan.chunk + plan.right}
+        with torch.cuda.stream(self.codec_stream):
+            for frames in sorted(lengths):
+                codes = torch.zeros(1, self.codec_model.dims.num_quantizers, frames, dtype=torch.int64,
+                                    device=self.device)
+                self.codec_model(codes)  # warm-up outside capture (cuDNN picks its algorithms)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.codec_stream):
+                    wave = self.codec_model(codes)
+                self.codec_graphs[1, frames] = (graph, codes, wave)
 
     # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
 
@@ -577,7 +597,13 @@ class GpuEngine:
             audio = Decoded(self.codec_model(torch.from_numpy(codes)).numpy())
         else:
             with torch.cuda.stream(self.codec_stream):
-                wave = self.codec_model(torch.from_numpy(codes).to(self.device))
+                captured = self.codec_graphs.get((codes.shape[0], codes.shape[-1]))
+                if captured is not None:
+                    graph, inputs, wave = captured
+                    inputs.copy_(torch.from_numpy(codes))
+                    graph.replay()
+                else:
+                    wave = self.codec_model(torch.from_numpy(codes).to(self.device))
                 host = torch.empty(wave.shape, dtype=wave.dtype, pin_memory=True)
                 host.copy_(wave, non_blocking=True)
                 done = torch.cuda.Event()

@@ -6,8 +6,8 @@ aliased output is a separate argument pointing at its input).
 rope_kv_write: per (batch row, position), for all heads, NeoX half-split RoPE with the bf16 cos/sin table at position
   write_pos[b] + s, in fp32 with one rounding to bf16: q heads go to q_out, k heads are written into the key cache
   at that position and v rows into the value cache (in place; rows at or past max_seq are dropped).
-  qk_norm_rope_kv_write is the GPU path's form: it reads the fused q|k|v projection rows and applies the per-head
-  q/k RMSNorm first.
+  qk_norm_rope_kv_write is the GPU path's form for a prefill: it reads the fused q|k|v projection rows and applies
+  the per-head q/k RMSNorm first (a decode step does the same inside decode_attention_split).
 delayed_codebook_step: per batch row, per codebook: argmax over the 1026 logits (ties to the lowest index) or,
   where temperature[b] > 0, seeded sampling (temperature, top-k, top-p); then the delay mask (BOC before row k,
   EOC from the end frame on); then the next input embedding Σ_k table[k·1026 + code_k], fp32 sum, one bf16 round.
@@ -15,9 +15,10 @@ delayed_codebook_step: per batch row, per codebook: argmax over the 1026 logits 
   rule of runtime/decoding.py) and embeds the row as it is fed back, masked with that end.
 decode_attention: causal attention of new rows over a static KV cache [B, Hkv, S_max, D] (GQA), reading only
   each row's valid prefix (keys 0..write_pos[b] + s), q scaled beforehand (as the graph's Attention op takes it).
-  decode_attention_split is the GPU path's form for one new row: it scales q itself, splits the prefix into fixed
-  chunks of CHUNK keys for parallelism and combines them in chunk order, so a row's result depends only on its own
-  length, never on the batch.
+  decode_attention_split is the GPU path's form for one new row: it starts from the q|k|v projection's row (the
+  work of qk_norm_rope_kv_write for that row, then attention), splits the prefix into fixed chunks of CHUNK keys for
+  parallelism and combines them in chunk order, so a row's result depends only on its own length, never on the
+  batch.
 """
 
 import os
@@ -222,13 +223,19 @@ def decode_attention(q, k_cache, v_cache, write_pos,
 
 
 @triton.jit
-def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats, tickets, max_seq, out_scale,
-                     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
-                     OUT_FP8: tl.constexpr = False):
-    """GPU path, one new row per batch row: q [B, Hq·D] → out [B, Hq·D]. Grid (B, Hkv, MAX_CHUNKS); program c reads
-    keys [c·CHUNK, (c+1)·CHUNK) of the row's prefix 0..write_pos[b]. A prefix of several chunks is combined, in chunk
-    order, by the program that finishes last (partials [B, Hq, MAX_CHUNKS, D], stats [B, Hq, MAX_CHUNKS, 2] fp32).
+def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, write_pos, out, partials, stats, tickets,
+                           max_seq, eps, out_scale,
+                           Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                           BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
+                           OUT_FP8: tl.constexpr = False):
+    """GPU path, one new row per batch row, from the fused q|k|v projection's rows qkv [B, (Hq + 2·Hkv)·D]: what
+    qk_norm_rope_kv_write does for the row (q and k normalised per head and rotated at position write_pos[b], k and
+    v written into the caches there), then attention over the prefix 0..write_pos[b] → out [B, Hq·D]. One kernel
+    instead of two: at one row both are latency, not bytes.
+
+    Grid (B, Hkv, MAX_CHUNKS): program c reads keys [c·CHUNK, (c+1)·CHUNK) of the row's prefix. A prefix of several
+    chunks is combined, in chunk order, by the program that finishes last (partials [B, Hq, MAX_CHUNKS, D], stats
+    [B, Hq, MAX_CHUNKS, 2] fp32).
     OUT_FP8: out holds the bf16 result quantized at out_scale, the FP8 o projection's input (quantized once here,
     not in each of that GEMM's programs: at 64 rows they spent more time quantizing than reading weights)."""
     await_inputs(PDL)
@@ -236,26 +243,50 @@ def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats,
     g = tl.program_id(1)
     c = tl.program_id(2)
     G: tl.constexpr = Q_HEADS // KV_HEADS
-    length = tl.minimum(tl.load(write_pos + b) + 1, max_seq)
-    start = c * CHUNK
-    if start < length:
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pos = tl.minimum(tl.load(write_pos + b), max_seq - 1)
+    length = pos + 1
+    chunks = (length + CHUNK - 1) // CHUNK
+    if c < chunks:
+        src = qkv + b * ((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        half = tl.arange(0, HALF)[None, :]
+        co = tl.load(cos + pos * HALF + half).to(tl.float32)
+        sn = tl.load(sin + pos * HALF + half).to(tl.float32)
+        if c == chunks - 1:  # the program of the last chunk writes the new key and value first
+            k_src = src + (Q_HEADS + g) * HEAD_DIM
+            k1, k2 = _head_norm(tl.load(k_src + half).to(tl.float32), tl.load(k_src + HALF + half).to(tl.float32),
+                                k_norm, eps, half, HALF)
+            k1, k2 = _rotate(k1, k2, co, sn)
+            row = ((b * KV_HEADS + g) * max_seq + pos) * HEAD_DIM
+            tl.store(k_cache + row + half, k1.to(tl.bfloat16))
+            tl.store(k_cache + row + HALF + half, k2.to(tl.bfloat16))
+            v_src = src + (Q_HEADS + KV_HEADS + g) * HEAD_DIM
+            tl.store(v_cache + row + half, tl.load(v_src + half))
+            tl.store(v_cache + row + HALF + half, tl.load(v_src + HALF + half))
+            tl.debug_barrier()  # the block's stores are visible to its loads of the last chunk
         r = tl.arange(0, 16)  # one MMA tile of rows; G of them are real
         valid = r < G
         head = g * G + tl.where(valid, r, 0)
+        q_src = src + head[:, None] * HEAD_DIM + half
+        q1, q2 = _head_norm(tl.load(q_src, mask=valid[:, None], other=0.0).to(tl.float32),
+                            tl.load(q_src + HALF, mask=valid[:, None], other=0.0).to(tl.float32), q_norm, eps, half,
+                            HALF)
+        q1, q2 = _rotate(q1, q2, co, sn)
+        scale = 1.0 / tl.sqrt(HEAD_DIM * 1.0)  # q rounded to bf16 as rotated, then scaled and rounded again
+        q1 = (q1.to(tl.bfloat16).to(tl.float32) * scale).to(tl.bfloat16)
+        q2 = (q2.to(tl.bfloat16).to(tl.float32) * scale).to(tl.bfloat16)
+        q_tile = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (16, HEAD_DIM))
         d = tl.arange(0, HEAD_DIM)
-        scale = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
         q_rows = (b * Q_HEADS + head) * HEAD_DIM
-        q_tile = (tl.load(q + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                  * scale).to(tl.bfloat16)
+        q_pos = tl.zeros([16], tl.int64) + pos
         cache = (b * KV_HEADS + g) * max_seq * HEAD_DIM
-        q_pos = tl.zeros([16], tl.int64) + (length - 1)
-        acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, start, tl.minimum(start + CHUNK, length),
-                            q_pos, HEAD_DIM, BLOCK_S)
-        chunks = (length + CHUNK - 1) // CHUNK
+        part = (b * Q_HEADS + head) * MAX_CHUNKS
+        start = c * CHUNK
+        acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, start, tl.minimum(start + CHUNK, length), q_pos,
+                            HEAD_DIM, BLOCK_S)
         if chunks == 1:
             _store_attention(out, q_rows, d, acc / l[:, None], valid, out_scale, OUT_FP8)
         else:
-            part = (b * Q_HEADS + head) * MAX_CHUNKS
             tl.store(partials + (part + c)[:, None] * HEAD_DIM + d[None, :], acc, mask=valid[:, None])
             tl.store(stats + (part + c) * 2, m, mask=valid)
             tl.store(stats + (part + c) * 2 + 1, l, mask=valid)
@@ -263,19 +294,27 @@ def decode_attention_split(q, k_cache, v_cache, write_pos, out, partials, stats,
             ticket = tl.atomic_add(tickets + b * KV_HEADS + g, 1, sem="acq_rel", scope="gpu")
             if ticket == chunks - 1:
                 tl.debug_barrier()
-                top = tl.full([16], NEG, tl.float32)
-                for i in range(0, chunks):
-                    top = tl.maximum(top, tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg"))
-                total = tl.zeros([16, HEAD_DIM], tl.float32)
-                norm = tl.zeros([16], tl.float32)
-                for i in range(0, chunks):
-                    w = tl.exp(tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg") - top)
-                    norm += w * tl.load(stats + (part + i) * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
-                    total += w[:, None] * tl.load(partials + (part + i)[:, None] * HEAD_DIM + d[None, :],
-                                                  mask=valid[:, None], other=0.0, cache_modifier=".cg")
-                norm = tl.where(valid, norm, 1.0)
-                _store_attention(out, q_rows, d, total / norm[:, None], valid, out_scale, OUT_FP8)
+                _combine_chunks(out, partials, stats, part, q_rows, d, valid, chunks, out_scale, HEAD_DIM, OUT_FP8)
                 tl.atomic_xchg(tickets + b * KV_HEADS + g, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _combine_chunks(out, partials, stats, part, q_rows, d, valid, chunks, out_scale, HEAD_DIM: tl.constexpr,
+                    OUT_FP8: tl.constexpr):
+    """The chunks' (unnormalised output, max, sum) of each head, combined in chunk order (L2 reads: other programs
+    wrote them)."""
+    top = tl.full([16], NEG, tl.float32)
+    for i in range(0, chunks):
+        top = tl.maximum(top, tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg"))
+    total = tl.zeros([16, HEAD_DIM], tl.float32)
+    norm = tl.zeros([16], tl.float32)
+    for i in range(0, chunks):
+        w = tl.exp(tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg") - top)
+        norm += w * tl.load(stats + (part + i) * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+        total += w[:, None] * tl.load(partials + (part + i)[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None],
+                                      other=0.0, cache_modifier=".cg")
+    norm = tl.where(valid, norm, 1.0)
+    _store_attention(out, q_rows, d, total / norm[:, None], valid, out_scale, OUT_FP8)
 
 
 @triton.jit

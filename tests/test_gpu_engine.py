@@ -70,37 +70,69 @@ def test_codec_snake_on_the_gpu_equals_its_formula():
 
 
 def test_decode_attention_at_higgs_dimensions():
-    from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK
+    """decode_attention_split from the q|k|v row: the new key and value written at each row's position, attention
+    over the prefix against fp32, and the same bits alone and in the batch."""
+    from torch.onnx import ops as onnx_ops
+
+    from higgs_trt.builder.config import HIGGS_V3
+    from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_STAGES
+    from higgs_trt.builder.model import RMSNorm, rope_table
     from higgs_trt.plugins import kernels
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    torch.manual_seed(0)
     lengths = [1, 255, 256, 257, 1000, 2048, 77, 513]
     b = len(lengths)
-    q = torch.randn(b, HQ * D, device="cuda", generator=g).bfloat16()
-    kc, vc = (torch.randn(b, HKV, S_MAX, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    cos, sin = rope_table(HIGGS_V3, S_MAX, torch.bfloat16)
+    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+    qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1 * torch.randn(D)).bfloat16()
+    qkv = torch.randn(b, (HQ + 2 * HKV) * D).bfloat16()
+    kc, vc = torch.randn(b, HKV, S_MAX, D).bfloat16(), torch.randn(b, HKV, S_MAX, D).bfloat16()
+    for i, n in enumerate(lengths):
+        kc[i, :, n - 1:] = float("nan")  # the new row is the kernel's to write, and nothing past it is read
+        vc[i, :, n - 1:] = float("nan")
+    pos = torch.tensor(lengths) - 1
+    x = qkv.view(b, 1, -1)
+    k = kn(x[..., HQ * D:(HQ + HKV) * D].reshape(b, 1, HKV, D)).transpose(1, 2)
+    k_ref = onnx_ops.rotary_embedding(k.float(), cos.float(), sin.float(), pos[:, None])[:, :, 0]
     chunks = -(-S_MAX // ATTENTION_CHUNK)
+    cuda = {name: t.cuda() for name, t in dict(qkv=qkv, qn=qn.weight.data, kn=kn.weight.data, cos=cos, sin=sin,
+                                                  kc=kc, vc=vc, pos=pos).items()}
 
     def attend(rows):
         out = torch.full((len(rows), HQ * D), float("nan"), device="cuda").bfloat16()
+        kc2, vc2 = cuda["kc"][rows].clone(), cuda["vc"][rows].clone()
         parts = torch.empty(len(rows), HQ, chunks, D, device="cuda")
         stats = torch.empty(len(rows), HQ, chunks, 2, device="cuda")
         tickets = torch.zeros(len(rows) * HKV, device="cuda", dtype=torch.int32)
-        pos = torch.tensor([lengths[r] - 1 for r in rows], device="cuda")
         kernels.decode_attention_split[(len(rows), HKV, chunks)](
-            q[rows], kc[rows], vc[rows], pos, out, parts, stats, tickets, S_MAX, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D,
-            CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks)
+            cuda["qkv"][rows], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], kc2, vc2, cuda["pos"][rows], out,
+            parts, stats, tickets, S_MAX, 1e-6, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D, CHUNK=ATTENTION_CHUNK,
+            BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks, num_stages=ATTENTION_STAGES)
         torch.cuda.synchronize()
         assert not tickets.any()
-        return out
+        return out.cpu(), kc2.cpu(), vc2.cpu()
 
-    got = attend(list(range(b)))
+    everyone = list(range(b))
+    got, kc2, vc2 = attend(everyone)
+    # q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested against the formula in CI): the reference
+    # attention starts from it, so that the bounds below measure attention, not q's roundings
+    q_chain = torch.empty(b, HQ * D, device="cuda").bfloat16()
+    kernels.qk_norm_rope_kv_write[(b,)](
+        cuda["qkv"], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], cuda["pos"], q_chain, cuda["kc"].clone(),
+        cuda["vc"].clone(), 1, S_MAX, 1e-6, Q_HEADS=HQ, KV_HEADS=HKV, HALF=D // 2)
+    q_chain = q_chain.cpu().view(b, HQ, D)
     for i, n in enumerate(lengths):
-        qs = (q[i].view(HQ, D).float() * D ** -0.5).bfloat16().float()
-        k = kc[i, :, :n].float().repeat_interleave(HQ // HKV, 0)
-        v = vc[i, :, :n].float().repeat_interleave(HQ // HKV, 0)
-        ref = (torch.softmax(qs[:, None] @ k.transpose(1, 2), -1) @ v)[:, 0]
+        kb = k_ref[i]
+        bound = 2 * 2 ** -8 * (kb.abs() + torch.cat([kb[..., D // 2:], kb[..., :D // 2]], -1).abs()) + 1e-6
+        assert ((kc2[i, :, n - 1].float() - kb).abs() <= bound).all(), n
+        assert torch.equal(vc2[i, :, n - 1], x[i, 0, (HQ + HKV) * D:].view(HKV, D))
+        assert kc2[i, :, n:].isnan().all()
+        qs = (q_chain[i].float() * D ** -0.5).bfloat16().float()
+        keys = kc2[i, :, :n].float().repeat_interleave(HQ // HKV, 0)
+        values = vc2[i, :, :n].float().repeat_interleave(HQ // HKV, 0)
+        ref = (torch.softmax(qs[:, None] @ keys.transpose(1, 2), -1) @ values)[:, 0]
         assert ((got[i].view(HQ, D).float() - ref).abs() <= 0.02 * ref.abs() + 2e-3).all(), n
-        assert torch.equal(attend([i])[0], got[i])  # alone or in the batch: the same bits
+        assert torch.equal(attend([i])[0][0], got[i])  # alone or in the batch: the same bits
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +147,20 @@ def open_engine(ckpt_dir, max_batch=8, amax=None):
     from higgs_trt.builder.gpu_engine import load_gpu_engine
 
     return load_gpu_engine(Checkpoint(ckpt_dir), max_seq=512, max_batch=max_batch, max_prompt=128, act_amax=amax)
+
+
+def test_captured_codec_windows_equal_the_eager_codec(tiny):
+    """The engine replays a CUDA graph for one window of the default plan's lengths: the same audio as the eager
+    codec, for fresh codes at each call (the graph reads its input buffer, not the codes it was captured with)."""
+    engine = open_engine(tiny, max_batch=2)
+    assert len(engine.codec_graphs) == 2
+    rng = np.random.default_rng(0)
+    for windows, frames in list(engine.codec_graphs) * 2:
+        codes = rng.integers(0, 1024, (windows, engine.codec_model.dims.num_quantizers, frames))
+        got = engine.codec(codes).result()
+        with torch.inference_mode():
+            ref = engine.codec_model(torch.from_numpy(codes).cuda()).cpu().numpy()
+        assert np.abs(got - ref).max() <= 1e-5 * (1 + np.abs(ref).max()), frames
 
 
 def prompts(ckpt_dir, texts):

@@ -240,6 +240,42 @@ for b in range(B):
 """)
 
 
+ROTATED = """
+from higgs_trt.builder.config import HiggsConfig
+from higgs_trt.builder.model import RMSNorm, rope_table
+from torch.onnx import ops as onnx_ops
+def decode_rows(lengths):
+    # one q|k|v projection row per batch row, the caches (NaN from the new row on: the kernel writes that row, and
+    # reads nothing past it), and the new key as the formula gives it: normalised, rotated at the row's position
+    B = len(lengths)
+    cfg = HiggsConfig(64, 1, Hq, Hkv, D, 128, 100, 1e-6, 1e6, 32768)
+    cos, sin = rope_table(cfg, SM, torch.bfloat16)
+    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+    qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1 * torch.randn(D)).bfloat16()
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D).bfloat16()
+    kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
+    for b, n in enumerate(lengths):
+        kc[b, :, n - 1:] = float("nan")
+        vc[b, :, n - 1:] = float("nan")
+    pos = torch.tensor(lengths) - 1
+    x = qkv.view(B, 1, -1)
+    k = kn(x[..., Hq * D:(Hq + Hkv) * D].reshape(B, 1, Hkv, D)).transpose(1, 2)
+    v = x[..., (Hq + Hkv) * D:].reshape(B, Hkv, D)
+    k_ref = onnx_ops.rotary_embedding(k.float(), cos.float(), sin.float(), pos[:, None])[:, :, 0]
+    return qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v
+
+def check_new_rows(kc2, vc2, lengths, k_ref, v):
+    # the new key (normalised, rotated) and value at each row's position; nothing else of the caches changed
+    ulp = lambda t: t.abs().clamp(min=2 ** -20) * 2 ** -7
+    for b, n in enumerate(lengths):
+        kb = k_ref[b]
+        bound = 4 * ulp(kb.abs() + torch.cat([kb[..., D // 2:], kb[..., :D // 2]], -1).abs())  # norm, rotation
+        assert ((kc2[b, :, n - 1].float() - kb).abs() <= bound).all(), float((kc2[b, :, n - 1].float() - kb).abs().max())
+        assert torch.equal(vc2[b, :, n - 1], v[b])
+        assert kc2[b, :, n:].isnan().all() and vc2[b, :, n:].isnan().all()
+"""
+
+
 ATTENTION = """
 Hq, Hkv, D, SM = 8, 2, 16, 96
 def reference(q, kc, vc, lengths):
@@ -255,38 +291,43 @@ def reference(q, kc, vc, lengths):
 """
 
 
-def test_split_decode_attention_reads_only_each_prefix_and_combines_chunks_in_order():
-    run(ATTENTION + """
+def test_split_decode_attention_writes_the_new_key_and_reads_only_each_prefix():
+    run(ATTENTION + ROTATED + """
 lengths = [1, 17, 40, 96, 65]
 B = len(lengths)
-q = torch.randn(B, Hq, D).bfloat16()
-kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
-for b, n in enumerate(lengths):
-    kc[b, :, n:] = float("nan")  # rows past the prefix must never be read
-    vc[b, :, n:] = float("nan")
+qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths)
 chunk = 16
 chunks = -(-SM // chunk)
-def attend(q, kc, vc, lengths, fp8_scale=None):
-    b = len(lengths)
+def attend(rows, fp8_scale=None):
+    b = len(rows)
+    kc2, vc2 = kc[rows].clone(), vc[rows].clone()
     out = torch.full((b, Hq * D), float("nan")).bfloat16()
     if fp8_scale:  # the FP8 o projection's input: the bf16 result quantized here
         out = torch.zeros(b, Hq * D, dtype=torch.float8_e4m3fn)
     parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
     tickets = torch.zeros(b * Hkv, dtype=torch.int32)
     kernels.decode_attention_split[(b, Hkv, chunks)](
-        q, kc, vc, torch.tensor(lengths) - 1, out, parts, stats, tickets, SM, fp8_scale or 1.0, Q_HEADS=Hq,
-        KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks, OUT_FP8=bool(fp8_scale))
+        qkv[rows], qn.weight, kn.weight, cos, sin, kc2, vc2, pos[rows], out, parts, stats, tickets, SM, 1e-6,
+        fp8_scale or 1.0, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks,
+        OUT_FP8=bool(fp8_scale))
     assert not tickets.any()
-    return out.view(b, Hq, D)
-got = attend(q, kc, vc, lengths)
-ref = reference(q, kc, vc, lengths)
+    return out.view(b, Hq, D), kc2, vc2
+everyone = list(range(B))
+got, kc2, vc2 = attend(everyone)
+check_new_rows(kc2, vc2, lengths, k_ref, v)
+# the reference starts from q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested above), over the
+# keys as written: the bound measures attention, not q's roundings
+q_chain = torch.empty(B, Hq * D).bfloat16()
+kernels.qk_norm_rope_kv_write[(B,)](qkv, qn.weight, kn.weight, cos, sin, pos, q_chain, kc.clone(), vc.clone(), 1, SM,
+                                    1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
+ref = reference(q_chain.view(B, Hq, D), kc2, vc2, lengths)
 assert ((got.float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all(), float((got.float() - ref).abs().max())
-codes = attend(q, kc, vc, lengths, fp8_scale=0.004)
+codes = attend(everyone, fp8_scale=0.004)[0]
 expected = (got.float() / 0.004).clamp(-448, 448).to(torch.float8_e4m3fn)
 assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
 # a row's result is its own: the same row alone, or beside rows of other lengths, is bit for bit the same
 for b in range(B):
-    assert torch.equal(attend(q[b:b + 1], kc[b:b + 1], vc[b:b + 1], lengths[b:b + 1])[0], got[b])
+    assert torch.equal(attend([b])[0][0], got[b])
 """)
 
 
