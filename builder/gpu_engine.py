@@ -18,8 +18,8 @@ invariant (builder/gpu_kernels.py), so a request's codes do not depend on what e
 FP8 (--precision fp8): per-output-channel FP8 weights and the calibration's static per-tensor activation scales, the
 quantisation of the FP8 engine (calibration/qdq.py), executed by the linear kernel's FP8 path (not torch._scaled_mm,
 which is slower than BF16 at decode sizes: ../shared/docs/gpu-measurements.md). Activations are quantized once, by
-the kernel that produces them (the norms, decode attention, gate|up; in a prefill o quantizes attention's output
-itself). The audio table stays bf16.
+the kernel that produces them (the norms, decode attention, gate|up; in a prefill, quantize_rows after attention).
+The audio table stays bf16.
 
 Prefill takes the requests that join together, padded to the longest: their rows go through the same linear kernel
 at once, summed in the decode step's K order, so a row's numbers never depend on the other requests, and one
@@ -80,16 +80,20 @@ class TileConfig:
     in_program_from: int = 64  # x rows per product (16/32/64) from which the K ranges run in one program
     rows: int = 64  # the most x rows per product; more rows go to more programs
     persistent: int = 0  # split programs: this many per multiprocessor, each taking every n-th unit (0: one per unit)
-    wide: "TileConfig | None" = None  # the tiles for more than 16 rows of x
+    wide: "TileConfig | None" = None  # the tiles for 17 to 64 rows of x (a decode step's batch)
+    prefill: "TileConfig | None" = None  # the tiles for more than 64 rows (a prefill pass)
 
     def __post_init__(self):
         # A row's numbers depend on the K ranges and on the MMA instruction (16 or 32 weight rows: mma.sync; 64 or
-        # more: Hopper's wgmma), nothing else: the wide tiles may change anything but those.
-        w = self.wide
-        if w is not None and (w.split_k != self.split_k or (w.block_n >= 64) != (self.block_n >= 64) or w.wide):
-            raise ValueError(f"wide tiles {w} would sum rows differently from {self}")
+        # more: Hopper's wgmma), nothing else: the wide and prefill tiles may change anything but those.
+        for other in (self.wide, self.prefill):
+            if other is not None and (other.split_k != self.split_k or (other.block_n >= 64) != (self.block_n >= 64)
+                                      or other.wide or other.prefill):
+                raise ValueError(f"tiles {other} would sum rows differently from {self}")
 
     def for_rows(self, m: int) -> "TileConfig":
+        if m > 64 and self.prefill is not None:
+            return self.prefill
         return self.wide if self.wide is not None and m > 16 else self
 
 
@@ -107,21 +111,29 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 
 
 # Measured on the H200 (`higgs-trt bench linear`, 2026-11-30); shapes not listed use default_tiles. (N, K, fp8) →
-# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on (the same K ranges and MMA family: the same numbers).
+# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on, `prefill` from 65 (the same K ranges and MMA family:
+# the same numbers). The prefill tiles hold 128 rows of x per product: µs at M = 2048 against the wide tiles
+# (.device-style sweep, 2026-12-01; FP8 x as codes).
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
-    # gate|up: 31.1 / 39.9 (one program per tile: 34.5; the narrow tiles at 64 rows: 47.0)
-    (9728, 2560, False): TileConfig(32, 256, 1, 4, 4, persistent=1, wide=TileConfig(32, 128, 1, 4, 3)),
-    # FP8 gate|up: 18.5 / 32.6; 19.9 at M=8 (wgmma 64×128 tiles, 8 ranges: 20.2 / 32.1, 22.4 at M=8)
-    (9728, 2560, True): TileConfig(32, 256, 1, 4, 4, persistent=3),
-    # down: 16.7 / 23.9 (one program per unit: 18.0)
-    (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128)),
-    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),  # 10.8 / 19.1
-    # q|k|v: 11.4 / 15.6 (the narrow tiles at 64 rows: 16.3)
-    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, 64, wide=TileConfig(64, 64, 4, 8, 3, 128)),
-    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, 64),  # 8.2 / 13.3
-    # o: 9.0 / 13.9 (one program per unit: 9.9)
-    (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128)),
-    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128),  # 7.8 / 12.8
+    # gate|up: 31.1 / 39.9 (one program per tile: 34.5; the narrow tiles at 64 rows: 47.0); prefill 581 (833)
+    (9728, 2560, False): TileConfig(32, 256, 1, 4, 4, persistent=1, wide=TileConfig(32, 128, 1, 4, 3),
+                                    prefill=TileConfig(32, 64, 1, 4, 3, rows=128)),
+    # FP8 gate|up: 18.5 / 32.6; 19.9 at M=8 (wgmma 64×128 tiles, 8 ranges: 20.2 / 32.1, 22.4 at M=8); prefill 482
+    (9728, 2560, True): TileConfig(32, 256, 1, 4, 4, persistent=3, prefill=TileConfig(32, 256, 1, 4, 4, rows=128)),
+    # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 239 (321)
+    (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
+                                    prefill=TileConfig(128, 64, 8, 8, 4, 64, rows=128)),
+    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),  # 10.8 / 19.1; prefill 188 (128 rows: 204)
+    # q|k|v: 11.4 / 15.6 (the narrow tiles at 64 rows: 16.3); prefill 145 (205)
+    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, 64, wide=TileConfig(64, 64, 4, 8, 3, 128),
+                                    prefill=TileConfig(128, 64, 4, 8, 4, 64, rows=128)),
+    # 8.2 / 13.3; prefill 131 (149)
+    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, 64, prefill=TileConfig(128, 128, 4, 8, 3, 64, rows=128)),
+    # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 120 (144)
+    (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
+                                    prefill=TileConfig(128, 64, 8, 8, 4, 64, rows=128)),
+    # 7.8 / 12.8; prefill 138 (167)
+    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, prefill=TileConfig(32, 256, 4, 4, 4, 64, rows=128)),
     # audio head: 14.9 / 16.2 (the narrow tiles at 64 rows: 20.7)
     (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128, wide=TileConfig(64, 128, 2, 4, 4, 16, rows=32)),
 }
@@ -153,7 +165,7 @@ class Linear:
         t = (tiles or self.tiles).for_rows(m)
         rows = min(t.rows, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16, 32 or 64
         in_program = t.split_k > 1 and (rows >= t.in_program_from or m > rows)
-        persistent = bool(t.persistent) and not in_program  # split programs: m ≤ rows
+        persistent = bool(t.persistent) and not in_program and m <= rows  # its units hold every row of x
         if persistent:
             grid = (min(-(-self.n // t.block_n) * t.split_k, workspace.sms * t.persistent),)
         else:
@@ -247,7 +259,7 @@ class GpuEngine:
         self.qkv_out = torch.zeros(rows, (hq + 2 * hkv) * d, **bf16)
         self.q = torch.zeros(rows, hq * d, **bf16)  # a prefill's q after norm and RoPE
         self.attn = torch.zeros(rows, hq * d, **bf16)
-        self.attn8 = torch.zeros(max_batch, hq * d, dtype=FP8_CODES, device=dev) if fp8 else None  # decode: o's codes
+        self.attn8 = torch.zeros(rows, hq * d, dtype=FP8_CODES, device=dev) if fp8 else None  # o's input as codes
         self.heads = torch.zeros(rows, hq * d, **bf16)  # a prefill's scaled q, heads first
         self.act = torch.zeros(rows, cfg.intermediate_size, dtype=FP8_CODES if fp8 else torch.bfloat16, device=dev)
         self.logits = torch.zeros(max_batch, cfg.audio_table_rows, dtype=torch.float32, device=dev)
@@ -509,7 +521,10 @@ class GpuEngine:
                 heads, k_stage, v_stage, self.prompt_start, length, length, out, Q_HEADS=hq, KV_HEADS=hkv,
                 HEAD_DIM=d, BLOCK_Q=PROMPT_Q_BLOCK, BLOCK_S=ATTENTION_BLOCK)
             attn.view(g, length, hq, d).copy_(out.transpose(1, 2))
-            layer.o(attn, h, p, ws, residual=True)
+            if layer.o.fp8:
+                gpu_kernels.quantize_rows[(p, -(-hq * d // 1024))](attn, self.attn8, layer.o.x_scale, N=hq * d,
+                                                                   BLOCK=1024, **self._launch())
+            layer.o(self.attn8[:p] if layer.o.fp8 else attn, h, p, ws, residual=True)
             x = self._norm(h, layer.post_norm, p, layer.gate_up)
             layer.gate_up(x, act, p, ws, out_scale=layer.down.x_scale)
             layer.down(act, h, p, ws, residual=True)

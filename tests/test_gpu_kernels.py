@@ -165,6 +165,56 @@ for fp8 in (False, True):
 """)
 
 
+def test_engine_linear_dispatch_computes_every_row_with_each_tile_kind():
+    """Linear (the engine's launch) with persistent narrow tiles and prefill tiles: a prefill pass has more rows than
+    one product holds (persistent units hold one product's rows: they must not be used for it), every row is right,
+    and a row's numbers are the same with the narrow tiles at one row and with the prefill tiles among 100."""
+    run(LINEAR + """
+from dataclasses import replace
+from higgs_trt.builder.gpu_engine import Linear, TileConfig, Workspace
+k, n = 96, 64
+w = (torch.randn(n, k) / k ** 0.5).bfloat16()
+up = (torch.randn(n, k) / k ** 0.5).bfloat16()
+x = torch.randn(100, k).bfloat16()
+ws = Workspace(n, 100, 1, 1, 16, 16, "cpu")
+for fp8 in (False, True):
+    for gated in (False, True):
+        lin = Linear(w, up if gated else None, act_amax=float(x.float().abs().max()) if fp8 else None)
+        for split in (1, 2):
+            tiles = TileConfig(16, 32, split, persistent=2, prefill=TileConfig(32, 32, split, rows=128))
+            ref = linear(x, w, up if gated else None, fp8=fp8)
+            for m in (1, 70, 100):
+                for t in (tiles, replace(tiles, prefill=None)):  # more rows than a product: not persistent
+                    out = torch.full((100, n), float("nan")).bfloat16()
+                    lin(x, out, m, ws, tiles=t)
+                    close(out[:m], ref[1][:m], ref[2][:m])
+                    assert out[m:].isnan().all()
+                    if m == 1:
+                        alone = out[0].clone()
+                    else:
+                        assert torch.equal(out[0], alone), (fp8, gated, split, m)
+""")
+
+
+def test_quantize_rows_gives_the_codes_an_fp8_linear_makes_of_bf16_rows():
+    run(LINEAR + """
+from higgs_trt.builder.gpu_engine import Linear, Workspace
+k, n, m = 96, 64, 7
+w = (torch.randn(n, k) / k ** 0.5).bfloat16()
+x = torch.randn(m, k).bfloat16()
+lin = Linear(w, act_amax=float(x.float().abs().max()))
+ws = Workspace(n, 8, 1, 1, 16, 16, "cpu")
+codes = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+gpu_kernels.quantize_rows[(m, 2)](x, codes, lin.x_scale, N=k, BLOCK=64)
+a, b = torch.zeros(m, n).bfloat16(), torch.zeros(m, n).bfloat16()
+lin(x, a, m, ws)
+lin(codes, b, m, ws)
+assert torch.equal(a, b)
+expected = (x.float() / lin.x_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+""")
+
+
 def test_rms_norm_and_advance_slots():
     run("""
 x = torch.randn(5, 48).bfloat16() * 3
