@@ -73,31 +73,17 @@ def test_codec_snake_on_the_gpu_equals_its_formula():
 def test_decode_attention_at_higgs_dimensions():
     """decode_attention_split from the q|k|v row: the new key and value written at each row's position, attention
     over the prefix against fp32, and the same bits alone and in the batch."""
-    from torch.onnx import ops as onnx_ops
+    from decode_rows import decode_rows
 
-    from higgs_trt.builder.config import HIGGS_V3
     from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_STAGES
-    from higgs_trt.builder.model import RMSNorm, rope_table
     from higgs_trt.plugins import kernels
 
     torch.manual_seed(0)
     lengths = [1, 255, 256, 257, 1000, 2048, 77, 513]
     b = len(lengths)
-    cos, sin = rope_table(HIGGS_V3, S_MAX, torch.bfloat16)
-    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
-    qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1 * torch.randn(D)).bfloat16()
-    qkv = torch.randn(b, (HQ + 2 * HKV) * D).bfloat16()
-    kc, vc = torch.randn(b, HKV, S_MAX, D).bfloat16(), torch.randn(b, HKV, S_MAX, D).bfloat16()
-    for i, n in enumerate(lengths):
-        kc[i, :, n - 1:] = float("nan")  # the new row is the kernel's to write, and nothing past it is read
-        vc[i, :, n - 1:] = float("nan")
-    pos = torch.tensor(lengths) - 1
-    x = qkv.view(b, 1, -1)
-    k = kn(x[..., HQ * D:(HQ + HKV) * D].reshape(b, 1, HKV, D)).transpose(1, 2)
-    k_ref = onnx_ops.rotary_embedding(k.float(), cos.float(), sin.float(), pos[:, None])[:, :, 0]
+    qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths, HQ, HKV, D, S_MAX)
     chunks = -(-S_MAX // ATTENTION_CHUNK)
-    cuda = {name: t.cuda() for name, t in dict(qkv=qkv, qn=qn.weight.data, kn=kn.weight.data, cos=cos, sin=sin,
-                                                  kc=kc, vc=vc, pos=pos).items()}
+    cuda = {name: t.cuda() for name, t in dict(qkv=qkv, qn=qn, kn=kn, cos=cos, sin=sin, kc=kc, vc=vc, pos=pos).items()}
 
     def attend(rows):
         out = torch.full((len(rows), HQ * D), float("nan"), device="cuda").bfloat16()
@@ -126,7 +112,7 @@ def test_decode_attention_at_higgs_dimensions():
         kb = k_ref[i]
         bound = 2 * 2 ** -8 * (kb.abs() + torch.cat([kb[..., D // 2:], kb[..., :D // 2]], -1).abs()) + 1e-6
         assert ((kc2[i, :, n - 1].float() - kb).abs() <= bound).all(), n
-        assert torch.equal(vc2[i, :, n - 1], x[i, 0, (HQ + HKV) * D:].view(HKV, D))
+        assert torch.equal(vc2[i, :, n - 1], v[i])
         assert kc2[i, :, n:].isnan().all()
         qs = (q_chain[i].float() * D ** -0.5).bfloat16().float()
         keys = kc2[i, :, :n].float().repeat_interleave(HQ // HKV, 0)

@@ -290,32 +290,13 @@ for b in range(B):
 """)
 
 
-ROTATED = """
-from higgs_trt.builder.config import HiggsConfig
-from higgs_trt.builder.model import RMSNorm, rope_table
-from torch.onnx import ops as onnx_ops
-def decode_rows(lengths):
-    # one q|k|v projection row per batch row, the caches (NaN from the new row on: the kernel writes that row, and
-    # reads nothing past it), and the new key as the formula gives it: normalised, rotated at the row's position
-    B = len(lengths)
-    cfg = HiggsConfig(64, 1, Hq, Hkv, D, 128, 100, 1e-6, 1e6, 32768)
-    cos, sin = rope_table(cfg, SM, torch.bfloat16)
-    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
-    qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1 * torch.randn(D)).bfloat16()
-    qkv = torch.randn(B, (Hq + 2 * Hkv) * D).bfloat16()
-    kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
-    for b, n in enumerate(lengths):
-        kc[b, :, n - 1:] = float("nan")
-        vc[b, :, n - 1:] = float("nan")
-    pos = torch.tensor(lengths) - 1
-    x = qkv.view(B, 1, -1)
-    k = kn(x[..., Hq * D:(Hq + Hkv) * D].reshape(B, 1, Hkv, D)).transpose(1, 2)
-    v = x[..., (Hq + Hkv) * D:].reshape(B, Hkv, D)
-    k_ref = onnx_ops.rotary_embedding(k.float(), cos.float(), sin.float(), pos[:, None])[:, :, 0]
-    return qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v
+ROTATED = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from decode_rows import decode_rows
 
 def check_new_rows(kc2, vc2, lengths, k_ref, v):
-    # the new key (normalised, rotated) and value at each row's position; nothing else of the caches changed
+    # the new key (normalised, rotated) and value at each row's position, nothing written past it
     ulp = lambda t: t.abs().clamp(min=2 ** -20) * 2 ** -7
     for b, n in enumerate(lengths):
         kb = k_ref[b]
@@ -345,7 +326,7 @@ def test_split_decode_attention_writes_the_new_key_and_reads_only_each_prefix():
     run(ATTENTION + ROTATED + """
 lengths = [1, 17, 40, 96, 65]
 B = len(lengths)
-qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths)
+qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths, Hq, Hkv, D, SM)
 chunk = 16
 chunks = -(-SM // chunk)
 def attend(rows, fp8_scale=None):
@@ -357,7 +338,7 @@ def attend(rows, fp8_scale=None):
     parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
     tickets = torch.zeros(b * Hkv, dtype=torch.int32)
     kernels.decode_attention_split[(b, Hkv, chunks)](
-        qkv[rows], qn.weight, kn.weight, cos, sin, kc2, vc2, pos[rows], out, parts, stats, tickets, SM, 1e-6,
+        qkv[rows], qn, kn, cos, sin, kc2, vc2, pos[rows], out, parts, stats, tickets, SM, 1e-6,
         fp8_scale or 1.0, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks,
         OUT_FP8=bool(fp8_scale))
     assert not tickets.any()
@@ -368,7 +349,7 @@ check_new_rows(kc2, vc2, lengths, k_ref, v)
 # the reference starts from q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested above), over the
 # keys as written: the bound measures attention, not q's roundings
 q_chain = torch.empty(B, Hq * D).bfloat16()
-kernels.qk_norm_rope_kv_write[(B,)](qkv, qn.weight, kn.weight, cos, sin, pos, q_chain, kc.clone(), vc.clone(), 1, SM,
+kernels.qk_norm_rope_kv_write[(B,)](qkv, qn, kn, cos, sin, pos, q_chain, kc.clone(), vc.clone(), 1, SM,
                                     1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
 ref = reference(q_chain.view(B, Hq, D), kc2, vc2, lengths)
 assert ((got.float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all(), float((got.float() - ref).abs().max())
