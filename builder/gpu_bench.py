@@ -246,7 +246,7 @@ def sweep_persistent(cfg: HiggsConfig, budget_s: float = 120.0, fp8_options=(Fal
                 f"stages {tiles.stages}")
         chosen = finals[0][2]
         if chosen != base and chosen.wide is None:  # from 17 rows on, the tiles as they were
-            chosen = replace(chosen, wide=base)
+            chosen = replace(chosen, wide=replace(base, prefill=None))
         best[(n, k, fp8)] = TUNED[(n, k, fp8)] = chosen
         say(f"  {label:<10} → {chosen}")
         del copies
@@ -266,11 +266,13 @@ def _shapes_in_budget(cfg: HiggsConfig, fp8_options, t_end: float, say, order=No
 
 
 def _keep_wide(tiles: TileConfig, previous: TileConfig | None) -> TileConfig:
-    """The new narrow tiles with the previous wide ones, where those still sum rows the same way."""
-    try:
-        return replace(tiles, wide=previous.wide if previous else None)
-    except ValueError:
-        return tiles
+    """The new narrow tiles with the previous wide and prefill ones, each where it still sums rows the same way."""
+    for kind in ("wide", "prefill"):
+        try:
+            tiles = replace(tiles, **{kind: getattr(previous, kind) if previous else None})
+        except ValueError:
+            tiles = replace(tiles, **{kind: None})
+    return tiles
 
 
 def _us(times: dict) -> str:

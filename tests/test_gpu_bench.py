@@ -1,0 +1,33 @@
+"""`bench linear`'s tile sweeps (builder/gpu_bench.py) on the CPU, with a stand-in timer: what they run on the GPU is
+timing, but what they write into TUNED must be tiles that TileConfig accepts (wide and prefill tiles that sum rows
+as the narrow ones do), starting from today's TUNED."""
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def test_tile_sweeps_run_through_every_shape_and_leave_valid_tiles(monkeypatch):
+    from higgs_trt.builder import gpu_bench
+    from higgs_trt.builder.config import HIGGS_V3
+    from higgs_trt.builder.gpu_engine import TileConfig
+
+    def fake_time(n, k, gated, fp8, tiles, m, copies):  # any order of candidates, the same in every run
+        return (hash((n, k, fp8, tiles, m)) % 997 + 1) * 1e-3
+
+    monkeypatch.setattr(gpu_bench, "TUNED", dict(gpu_bench.TUNED))  # the sweeps write into it
+    monkeypatch.setattr(gpu_bench, "time_linear", fake_time)
+    monkeypatch.setattr(gpu_bench, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(gpu_bench, "_copies",
+                        lambda n, k, gated, fp8: [types.SimpleNamespace(weight=types.SimpleNamespace(nbytes=n * k))])
+    said = []
+    for sweep in (gpu_bench.sweep_persistent, gpu_bench.sweep_wide, gpu_bench.sweep_linear):
+        best = sweep(HIGGS_V3, 600.0, (False, True), say=said.append)
+        assert len(best) >= 8, (sweep.__name__, said[-3:])  # every decoder shape in both precisions (+ the head)
+    for tiles in gpu_bench.TUNED.values():
+        assert isinstance(tiles, TileConfig)
+        for m in (1, 20, 64, 2048):
+            tiles.for_rows(m)
+    assert not any("skipped" in line for line in said)
