@@ -79,12 +79,12 @@ def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[
 
 
 def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: int, copies: list) -> float:
-    """ms of one linear at M = m. FP8: x as FP8 codes, as the engine's decode steps feed every FP8 linear."""
+    """ms of one linear at M = m. FP8: x as FP8 codes, as the engine feeds every FP8 linear."""
     ws = Workspace(max(n, 16), 64, 1, 1, 16, 16, "cuda")
-    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(max(m, 64), k, device="cuda", dtype=torch.bfloat16)
     if fp8:
         x = x.to(torch.float8_e4m3fn)
-    out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(max(m, 64), n, device="cuda", dtype=torch.bfloat16)
 
     def run():
         for lin in copies:
@@ -253,6 +253,46 @@ def sweep_persistent(cfg: HiggsConfig, budget_s: float = 120.0, fp8_options=(Fal
     return best
 
 
+PREFILL_ROWS = 2048  # a prefill pass: 4 prompts of 512 tokens, or 64 of 32
+
+
+def sweep_prefill(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, True), say=print) -> dict:
+    """Per weight shape: prefill tiles (128 rows of x per product) within TUNED's K ranges and MMA family, timed at
+    M = 2048 against the tiles that serve that many rows without them; the fastest goes into TUNED as the shape's
+    prefill tiles (none where those stay faster). Compute, not the weight read, bounds these: TFLOP/s are shown."""
+    t_end = time.perf_counter() + budget_s
+    best = {}
+    for name, label, n, k, gated, fp8 in _shapes_in_budget(cfg, fp8_options, t_end, say):
+        if name == "head":
+            say(f"  {label}: skipped (a prefill runs one row per prompt through it)")
+            continue
+        if (n, k, fp8) not in TUNED:
+            say(f"  {label}: skipped (no tiles in TUNED to start from)")
+            continue
+        base = replace(TUNED[n, k, fp8], prefill=None)
+        copies = _copies(n, k, gated, fp8)[:1]  # at 2,048 rows a weight is read 16 times over: L2 does not matter
+        flops = 2 * PREFILL_ROWS * n * k * (2 if gated else 1)
+        family = (64, 128) if base.block_n >= 64 else (16, 32)
+        timed = [(time_linear(n, k, gated, fp8, base, PREFILL_ROWS, copies), base)]
+        for block_n in family:
+            for block_k in (128, 256) if fp8 else (64, 128):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        prefill = TileConfig(block_n, block_k, base.split_k, warps, stages, 64, rows=128)
+                        tiles = replace(base, prefill=prefill)
+                        try:
+                            timed.append((time_linear(n, k, gated, fp8, tiles, PREFILL_ROWS, copies), tiles))
+                        except Exception as e:  # shared memory, registers
+                            say(f"    {prefill}: {type(e).__name__}")
+        timed.sort(key=lambda r: r[0])
+        for ms, tiles in timed[:3] + ([r for r in timed[3:] if r[1] is base]):
+            say(f"    {ms * 1e3:7.1f} µs {flops / ms / 1e9:5.0f} TFLOP/s  {tiles.prefill or 'without prefill tiles'}")
+        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = timed[0][1]
+        say(f"  {label:<10} → prefill {timed[0][1].prefill}")
+        del copies
+    return best
+
+
 def _shapes_in_budget(cfg: HiggsConfig, fp8_options, t_end: float, say, order=None):
     """(name, label, N, K, gated, fp8) of each weight shape and precision to sweep (the audio head is bf16 in both
     precisions), `order`'s names first; once the time budget is spent, the rest are named as skipped."""
@@ -317,8 +357,9 @@ def _clone(lin: Linear) -> Linear:
 
 def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), max_seq: int = 2048,
                     say=print) -> None:
-    """decode_attention_split's chunk, key block and pipeline stages, timed at each batch and context (µs per layer; every slot at `context` cached positions, four layers'
-    caches in turn so that none is in L2), against the bytes of keys and values read at the copy bandwidth."""
+    """decode_attention_split's chunk, key block and pipeline stages, timed at each batch and context (µs per layer;
+    every slot at `context` cached positions, four layers' caches in turn so that none is in L2), against the bytes of
+    keys and values read at the copy bandwidth."""
     from higgs_trt.plugins import kernels
 
     from .model import rope_table
