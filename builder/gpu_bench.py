@@ -15,7 +15,7 @@ import torch
 from higgs_trt.plugins.bench import copy_bandwidth, graph_ms
 
 from .config import HiggsConfig
-from .gpu_engine import BUCKETS, TUNED, GpuEngine, Linear, TileConfig, Workspace
+from .gpu_engine import BUCKETS, TUNED, GpuEngine, Linear, TileConfig, Workspace, default_tiles
 from .model import HiggsLM
 
 REPS = 30
@@ -78,8 +78,10 @@ def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[
     return tuned + [t for _, t in out if t not in tuned][:limit]
 
 
-def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: int, copies: list) -> float:
-    """ms of one linear at M = m. FP8: x as FP8 codes, as the engine feeds every FP8 linear."""
+def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: int, copies: list,
+                prefill: bool = False) -> float:
+    """ms of one linear at M = m (a decode step's, or a prefill pass's). FP8: x as FP8 codes, as the engine feeds
+    every FP8 linear."""
     ws = Workspace(max(n, 16), 64, 1, 1, 16, 16, "cuda")
     x = torch.randn(max(m, 64), k, device="cuda", dtype=torch.bfloat16)
     if fp8:
@@ -88,7 +90,7 @@ def time_linear(n: int, k: int, gated: bool, fp8: bool, tiles: TileConfig, m: in
 
     def run():
         for lin in copies:
-            lin(x, out, m, ws, tiles=tiles)
+            lin(x, out, m, ws, tiles=tiles, prefill=prefill)
     return graph_ms(run) / len(copies)
 
 
@@ -181,7 +183,7 @@ def sweep_wide(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, Tr
             except Exception as e:  # no tile shape of this family ran
                 say(f"    {'wgmma' if wgmma else 'mma.sync'}: {type(e).__name__}")
         _, tiles = min(choices, key=lambda c: c[0])
-        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles
+        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = tiles = replace(tiles, prefill=tuned.prefill)
         say(f"  {label:<10} → {tiles}")
         del copies
     return best
@@ -256,39 +258,52 @@ def sweep_persistent(cfg: HiggsConfig, budget_s: float = 120.0, fp8_options=(Fal
 PREFILL_ROWS = 2048  # a prefill pass: 4 prompts of 512 tokens, or 64 of 32
 
 
+def prefill_candidates(gated: bool, fp8: bool) -> list[TileConfig]:
+    """Prefill tiles worth timing: wgmma over 64 to 256 weight rows and 128 or 256 rows of x per product, the whole K
+    in one program (prefill tiles sum as they like: TileConfig). Gated tiles hold two accumulators: at most 128 × 128
+    elements each."""
+    out = []
+    for block_n, rows in ((64, 256), (128, 128), (128, 256), (256, 128)):
+        if gated and block_n * rows > 128 * 128:
+            continue
+        for warps in (4, 8) if block_n * rows <= 128 * 128 else (8,):
+            for stages in (3, 4):
+                out.append(TileConfig(block_n, 128 if fp8 else 64, 1, warps, stages, rows=rows))
+    return out
+
+
 def sweep_prefill(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, True), say=print) -> dict:
-    """Per weight shape: prefill tiles (128 rows of x per product) within TUNED's K ranges and MMA family, timed at
-    M = 2048 against the tiles that serve that many rows without them; the fastest goes into TUNED as the shape's
-    prefill tiles (none where those stay faster). Compute, not the weight read, bounds these: TFLOP/s are shown."""
+    """Per weight shape: prefill tiles timed at M = 2048 (a pass of many prompts) against today's (the decode tiles
+    where a shape has none), the best three and today's again at M = 64 (one prompt); the least M=2048 + 8 × M=64
+    time goes into TUNED (one prompt's prefill comes before every stream's first audio, a 2,048-row pass only with a
+    burst of joins). Compute, not the weight read, bounds these: TFLOP/s are shown."""
     t_end = time.perf_counter() + budget_s
     best = {}
     for name, label, n, k, gated, fp8 in _shapes_in_budget(cfg, fp8_options, t_end, say):
         if name == "head":
             say(f"  {label}: skipped (a prefill runs one row per prompt through it)")
             continue
-        if (n, k, fp8) not in TUNED:
-            say(f"  {label}: skipped (no tiles in TUNED to start from)")
-            continue
-        base = replace(TUNED[n, k, fp8], prefill=None)
-        copies = _copies(n, k, gated, fp8)[:1]  # at 2,048 rows a weight is read 16 times over: L2 does not matter
+        tuned = TUNED.get((n, k, fp8)) or default_tiles(n, k, fp8)
+        today = tuned.prefill or replace(tuned.wide or tuned, wide=None, prefill=None)
+        copies = _copies(n, k, gated, fp8)
         flops = 2 * PREFILL_ROWS * n * k * (2 if gated else 1)
-        family = (64, 128) if base.block_n >= 64 else (16, 32)
-        timed = [(time_linear(n, k, gated, fp8, base, PREFILL_ROWS, copies), base)]
-        for block_n in family:
-            for block_k in (128, 256) if fp8 else (64, 128):
-                for warps in (4, 8):
-                    for stages in (3, 4):
-                        prefill = TileConfig(block_n, block_k, base.split_k, warps, stages, 64, rows=128)
-                        tiles = replace(base, prefill=prefill)
-                        try:
-                            timed.append((time_linear(n, k, gated, fp8, tiles, PREFILL_ROWS, copies), tiles))
-                        except Exception as e:  # shared memory, registers
-                            say(f"    {prefill}: {type(e).__name__}")
+        timed = []
+        for prefill in [today] + [t for t in prefill_candidates(gated, fp8) if t != today]:
+            try:
+                timed.append((time_linear(n, k, gated, fp8, replace(tuned, prefill=prefill), PREFILL_ROWS, copies,
+                                          prefill=True), prefill))
+            except Exception as e:  # shared memory, registers
+                say(f"    {prefill}: {type(e).__name__}")
         timed.sort(key=lambda r: r[0])
-        for ms, tiles in timed[:3] + ([r for r in timed[3:] if r[1] is base]):
-            say(f"    {ms * 1e3:7.1f} µs {flops / ms / 1e9:5.0f} TFLOP/s  {tiles.prefill or 'without prefill tiles'}")
-        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = timed[0][1]
-        say(f"  {label:<10} → prefill {timed[0][1].prefill}")
+        finals = []
+        for ms, prefill in timed[:3] + [r for r in timed[3:] if r[1] == today]:
+            one = time_linear(n, k, gated, fp8, replace(tuned, prefill=prefill), 64, copies, prefill=True)
+            finals.append((ms + 8 * one, prefill))
+            say(f"    {ms * 1e3:7.1f} µs {flops / ms / 1e9:5.0f} TFLOP/s, {one * 1e3:5.1f} µs at M=64  {prefill}"
+                + ("  (today)" if prefill == today else ""))
+        chosen = min(finals, key=lambda f: f[0])[1]
+        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = replace(tuned, prefill=chosen if chosen != today else tuned.prefill)
+        say(f"  {label:<10} → prefill {chosen}")
         del copies
     return best
 
@@ -306,13 +321,13 @@ def _shapes_in_budget(cfg: HiggsConfig, fp8_options, t_end: float, say, order=No
 
 
 def _keep_wide(tiles: TileConfig, previous: TileConfig | None) -> TileConfig:
-    """The new narrow tiles with the previous wide and prefill ones, each where it still sums rows the same way."""
-    for kind in ("wide", "prefill"):
-        try:
-            tiles = replace(tiles, **{kind: getattr(previous, kind) if previous else None})
-        except ValueError:
-            tiles = replace(tiles, **{kind: None})
-    return tiles
+    """The new narrow tiles with the previous prefill ones, and the previous wide ones where they still sum rows the
+    same way."""
+    tiles = replace(tiles, prefill=previous.prefill if previous else None)
+    try:
+        return replace(tiles, wide=previous.wide if previous else None)
+    except ValueError:
+        return replace(tiles, wide=None)
 
 
 def _us(times: dict) -> str:

@@ -22,9 +22,9 @@ the kernel that produces them (the norms, decode attention, gate|up; in a prefil
 The audio table stays bf16.
 
 Prefill takes the requests that join together, padded to the longest: their rows go through the same linear kernel
-at once, summed in the decode step's K order, so a row's numbers never depend on the other requests, and one
-decode_attention launch per layer attends each row to its own prompt's keys 0..row. One prompt alone replays the
-captured graph of its length bucket.
+at once, summed in one K order for any number of rows (the prefill tiles'), so a row's numbers never depend on the
+other requests, and one decode_attention launch per layer attends each row to its own prompt's keys 0..row. One
+prompt alone replays the captured graph of its length bucket.
 """
 
 import time
@@ -81,18 +81,22 @@ class TileConfig:
     rows: int = 64  # the most x rows per product; more rows go to more programs
     persistent: int = 0  # split programs: this many per multiprocessor, each taking every n-th unit (0: one per unit)
     wide: "TileConfig | None" = None  # the tiles for 17 to 64 rows of x (a decode step's batch)
-    prefill: "TileConfig | None" = None  # the tiles for more than 64 rows (a prefill pass)
+    prefill: "TileConfig | None" = None  # the tiles of every prefill pass, whatever its rows
 
     def __post_init__(self):
         # A row's numbers depend on the K ranges and on the MMA instruction (16 or 32 weight rows: mma.sync; 64 or
-        # more: Hopper's wgmma), nothing else: the wide and prefill tiles may change anything but those.
+        # more: Hopper's wgmma), nothing else: the wide tiles may change anything but those. The prefill tiles may
+        # change those too: a prompt's rows are only ever summed by a prefill and every prefill takes them (one
+        # prompt or many, any number of rows), so prefills agree with each other, decode steps with each other.
+        if self.wide is not None and (self.wide.split_k != self.split_k
+                                      or (self.wide.block_n >= 64) != (self.block_n >= 64)):
+            raise ValueError(f"tiles {self.wide} would sum rows differently from {self}")
         for other in (self.wide, self.prefill):
-            if other is not None and (other.split_k != self.split_k or (other.block_n >= 64) != (self.block_n >= 64)
-                                      or other.wide or other.prefill):
-                raise ValueError(f"tiles {other} would sum rows differently from {self}")
+            if other is not None and (other.wide or other.prefill):
+                raise ValueError(f"tiles {other} nest tiles of their own")
 
-    def for_rows(self, m: int) -> "TileConfig":
-        if m > 64 and self.prefill is not None:
+    def for_rows(self, m: int, prefill: bool = False) -> "TileConfig":
+        if prefill and self.prefill is not None:
             return self.prefill
         return self.wide if self.wide is not None and m > 16 else self
 
@@ -111,29 +115,32 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 
 
 # Measured on the H200 (`higgs-trt bench linear`, 2026-11-30); shapes not listed use default_tiles. (N, K, fp8) →
-# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on, `prefill` from 65 (the same K ranges and MMA family:
-# the same numbers). The prefill tiles hold 128 rows of x per product: µs at M = 2048 against the wide tiles
-# (.device-style sweep, 2026-12-01; FP8 x as codes).
+# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on. `prefill`: the tiles of every prefill pass (wgmma, the
+# whole K in one program, 128 or 256 rows of x per product; `bench linear --tiles prefill`, 2026-12-01), µs at M =
+# 2048 / 64 against the decode tiles' family that prefills used before.
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
-    # gate|up: 31.1 / 39.9 (one program per tile: 34.5; the narrow tiles at 64 rows: 47.0); prefill 581 (833)
+    # gate|up: 31.1 / 39.9 (one program per tile: 34.5; the narrow tiles at 64 rows: 47.0); prefill 361 / 31.5
+    # (576.7 / 39.9)
     (9728, 2560, False): TileConfig(32, 256, 1, 4, 4, persistent=1, wide=TileConfig(32, 128, 1, 4, 3),
-                                    prefill=TileConfig(32, 64, 1, 4, 3, rows=128)),
-    # FP8 gate|up: 18.5 / 32.6; 19.9 at M=8 (wgmma 64×128 tiles, 8 ranges: 20.2 / 32.1, 22.4 at M=8); prefill 482
-    (9728, 2560, True): TileConfig(32, 256, 1, 4, 4, persistent=3, prefill=TileConfig(32, 256, 1, 4, 4, rows=128)),
-    # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 239 (321)
+                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
+    # FP8 gate|up: 18.5 / 32.6; 19.9 at M=8 (wgmma 64×128 tiles, 8 ranges: 20.2 / 32.1, 22.4 at M=8); prefill 367.3 /
+    # 24.3 (477.2 / 29.6)
+    (9728, 2560, True): TileConfig(32, 256, 1, 4, 4, persistent=3, prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
+    # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 211.7 / 51.4 (238.0 / 58.2)
     (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(128, 64, 8, 8, 4, 64, rows=128)),
-    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),  # 10.8 / 19.1; prefill 188 (128 rows: 204)
-    # q|k|v: 11.4 / 15.6 (the narrow tiles at 64 rows: 16.3); prefill 145 (205)
+                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
+    # 10.8 / 19.1; prefills keep these: 186.4 / 18.9 (the best whole-K tiles 160.1 / 37.0: 20 programs at 64 rows)
+    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),
+    # q|k|v: 11.4 / 15.6 (the narrow tiles at 64 rows: 16.3); prefill 102.1 / 17.1 (142.3 / 20.5)
     (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, 64, wide=TileConfig(64, 64, 4, 8, 3, 128),
-                                    prefill=TileConfig(128, 64, 4, 8, 4, 64, rows=128)),
-    # 8.2 / 13.3; prefill 131 (149)
-    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, 64, prefill=TileConfig(128, 128, 4, 8, 3, 64, rows=128)),
-    # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 120 (144)
+                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=256)),
+    # 8.2 / 13.3; prefill 97.1 / 12.8 (124.1 / 17.5)
+    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, 64, prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
+    # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 105.0 / 21.0 (114.4 / 30.3)
     (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(128, 64, 8, 8, 4, 64, rows=128)),
-    # 7.8 / 12.8; prefill 138 (167)
-    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, prefill=TileConfig(32, 256, 4, 4, 4, 64, rows=128)),
+                                    prefill=TileConfig(64, 64, 1, 8, 4, rows=256)),
+    # 7.8 / 12.8; prefill 71.2 / 17.6 (138.5 / 14.1)
+    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # audio head: 14.9 / 16.2 (the narrow tiles at 64 rows: 20.7)
     (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128, wide=TileConfig(64, 128, 2, 4, 4, 16, rows=32)),
 }
@@ -158,11 +165,12 @@ class Linear:
         return w8.contiguous(), scale.to(w.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, m: int, workspace: "Workspace",
-                 residual: bool = False, tiles: TileConfig | None = None, out_scale: float = 1.0) -> None:
+                 residual: bool = False, tiles: TileConfig | None = None, out_scale: float = 1.0,
+                 prefill: bool = False) -> None:
         """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...), every row summed in the same K
-        order whatever m is (decode or prefill). An FP8 x holds codes at this linear's activation scale; an FP8 out
-        gets codes at out_scale."""
-        t = (tiles or self.tiles).for_rows(m)
+        order whatever m is: the decode tiles' order, or with `prefill` the prefill tiles' (TileConfig). An FP8 x
+        holds codes at this linear's activation scale; an FP8 out gets codes at out_scale."""
+        t = (tiles or self.tiles).for_rows(m, prefill)
         rows = min(t.rows, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16, 32 or 64
         in_program = t.split_k > 1 and (rows >= t.in_program_from or m > rows)
         persistent = bool(t.persistent) and not in_program and m <= rows  # its units hold every row of x
@@ -507,7 +515,7 @@ class GpuEngine:
         heads = self.heads[:p].view(g, hq, length, d)
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm, p, layer.qkv)
-            layer.qkv(x, qkv, p, ws)
+            layer.qkv(x, qkv, p, ws, prefill=True)
             k_stage, v_stage = stage[i, 0], stage[i, 1]
             plugin_kernels.qk_norm_rope_kv_write[(p,)](
                 qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, self.prompt_start, q, k_stage, v_stage, length,
@@ -524,10 +532,10 @@ class GpuEngine:
             if layer.o.fp8:
                 gpu_kernels.quantize_rows[(p, -(-hq * d // 1024))](attn, self.attn8, layer.o.x_scale, N=hq * d,
                                                                    BLOCK=1024, **self._launch())
-            layer.o(self.attn8[:p] if layer.o.fp8 else attn, h, p, ws, residual=True)
+            layer.o(self.attn8[:p] if layer.o.fp8 else attn, h, p, ws, residual=True, prefill=True)
             x = self._norm(h, layer.post_norm, p, layer.gate_up)
-            layer.gate_up(x, act, p, ws, out_scale=layer.down.x_scale)
-            layer.down(act, h, p, ws, residual=True)
+            layer.gate_up(x, act, p, ws, out_scale=layer.down.x_scale, prefill=True)
+            layer.down(act, h, p, ws, residual=True, prefill=True)
         x = self._norm(h.index_select(0, self.prompt_last[:g]), self.final_norm, g)
         self.head(x, self.logits[:g], g, ws)
 

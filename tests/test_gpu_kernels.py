@@ -166,11 +166,11 @@ for fp8 in (False, True):
 
 
 def test_engine_linear_dispatch_computes_every_row_with_each_tile_kind():
-    """Linear (the engine's launch) with persistent narrow tiles and prefill tiles: a prefill pass has more rows than
-    one product holds (persistent units hold one product's rows: they must not be used for it), every row is right,
-    and a row's numbers are the same with the narrow tiles at one row and with the prefill tiles among 100."""
+    """Linear (the engine's launch) with persistent narrow tiles and prefill tiles of another family: a decode call
+    with more rows than one product holds (persistent units hold one product's rows: they must not serve it) and
+    prefill calls of 1 to 100 rows; every row is right, and a row's numbers are the same at one row and among 100,
+    decode with decode, prefill with prefill."""
     run(LINEAR + """
-from dataclasses import replace
 from higgs_trt.builder.gpu_engine import Linear, TileConfig, Workspace
 k, n = 96, 64
 w = (torch.randn(n, k) / k ** 0.5).bfloat16()
@@ -181,18 +181,18 @@ for fp8 in (False, True):
     for gated in (False, True):
         lin = Linear(w, up if gated else None, act_amax=float(x.float().abs().max()) if fp8 else None)
         for split in (1, 2):
-            tiles = TileConfig(16, 32, split, persistent=2, prefill=TileConfig(32, 32, split, rows=128))
+            tiles = TileConfig(16, 32, split, persistent=2, prefill=TileConfig(64, 64, 1, rows=128))
             ref = linear(x, w, up if gated else None, fp8=fp8)
-            for m in (1, 70, 100):
-                for t in (tiles, replace(tiles, prefill=None)):  # more rows than a product: not persistent
+            for prefill in (False, True):
+                for m in (1, 70, 100):
                     out = torch.full((100, n), float("nan")).bfloat16()
-                    lin(x, out, m, ws, tiles=t)
+                    lin(x, out, m, ws, tiles=tiles, prefill=prefill)
                     close(out[:m], ref[1][:m], ref[2][:m])
                     assert out[m:].isnan().all()
                     if m == 1:
                         alone = out[0].clone()
                     else:
-                        assert torch.equal(out[0], alone), (fp8, gated, split, m)
+                        assert torch.equal(out[0], alone), (fp8, gated, split, prefill, m)
 """)
 
 
