@@ -119,13 +119,13 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 # whole K in one program, 128 or 256 rows of x per product; `bench linear --tiles prefill`, 2026-12-01), µs at M =
 # 2048 / 64 against the decode tiles' family that prefills used before.
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
-    # gate|up: 31.1 / 39.9 (one program per tile: 34.5; the narrow tiles at 64 rows: 47.0); prefill 361 / 31.5
-    # (576.7 / 39.9)
-    (9728, 2560, False): TileConfig(32, 256, 1, 4, 4, persistent=1, wide=TileConfig(32, 128, 1, 4, 3),
-                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
-    # FP8 gate|up: 18.5 / 32.6; 19.9 at M=8 (wgmma 64×128 tiles, 8 ranges: 20.2 / 32.1, 22.4 at M=8); prefill 367.3 /
-    # 24.3 (477.2 / 29.6)
-    (9728, 2560, True): TileConfig(32, 256, 1, 4, 4, persistent=3, prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
+    # gate|up: 27.9 / 28.2 / 30.9 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before, 32 weight rows, persistent,
+    # wide ones: 30.6 / 31.1 / 38.4); prefill 361 / 31.5 (576.7 / 39.9)
+    (9728, 2560, False): TileConfig(64, 64, 1, 4, 4, prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
+    # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
+    # prefill 367.3 / 24.3 (477.2 / 29.6)
+    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(128, 128, 1, 8, 4),
+                                   prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 211.7 / 51.4 (238.0 / 58.2)
     (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
                                     prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
