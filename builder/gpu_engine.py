@@ -131,11 +131,13 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
                                     prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
     # 10.8 / 19.1; prefills keep these: 186.4 / 18.9 (the best whole-K tiles 160.1 / 37.0: 20 programs at 64 rows)
     (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),
-    # q|k|v: 11.4 / 15.6 (the narrow tiles at 64 rows: 16.3); prefill 102.1 / 17.1 (142.3 / 20.5)
-    (6144, 2560, False): TileConfig(64, 128, 4, 4, 3, 64, wide=TileConfig(64, 64, 4, 8, 3, 128),
+    # q|k|v: 11.2 / 11.1 / 12.2 at M = 1 / 8 / 64 (2026-12-01; K in 4 ranges before: 11.6 / 11.7 / 15.4); prefill
+    # 102.1 / 17.1 (142.3 / 20.5)
+    (6144, 2560, False): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 4),
                                     prefill=TileConfig(128, 64, 1, 8, 4, rows=256)),
-    # 8.2 / 13.3; prefill 97.1 / 12.8 (124.1 / 17.5)
-    (6144, 2560, True): TileConfig(64, 256, 4, 4, 3, 64, prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
+    # 8.5 / 8.4 / 10.7 (K in 4 ranges before: 8.5 / 8.7 / 13.4); prefill 97.1 / 12.8 (124.1 / 17.5)
+    (6144, 2560, True): TileConfig(64, 256, 1, 4, 4, wide=TileConfig(64, 256, 1, 4, 3),
+                                   prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 105.0 / 21.0 (114.4 / 30.3)
     (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
                                     prefill=TileConfig(64, 64, 1, 8, 4, rows=256)),
