@@ -51,7 +51,7 @@ from .audio import ReferenceAudio, encode_reference, load_reference_audio, refer
 from .decoding import Sampling
 from .errors import HiggsError
 from .prompt import build_prompt, check_text, load_reference_codes
-from .scheduler import QueueFull, Scheduler, request_for
+from .scheduler import QueueFull, Scheduler, freeze_heap, request_for
 from .sinks import wav_header
 from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
 from .wav import SAMPLE_RATE, pcm16
@@ -176,6 +176,7 @@ class EngineThread(threading.Thread):
         self.scheduler.run()
         if warm.error:
             raise HiggsError(f"the warm-up request failed: {warm.error}")
+        freeze_heap()  # what the warm-up compiled and allocated stays for good, too
 
     def _fail(self, message: str, error: Exception | None = None) -> None:
         """Not serving: pending jobs fail, and the server is told to exit (the CLI then prints `message`)."""
