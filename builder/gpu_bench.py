@@ -255,6 +255,56 @@ def sweep_persistent(cfg: HiggsConfig, budget_s: float = 120.0, fp8_options=(Fal
     return best
 
 
+def sweep_ranges(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, True), say=print) -> dict:
+    """Per weight shape: wgmma tiles with K in S = 1, 2, 4, 8 ranges against TUNED's. For each S, narrow tiles (64
+    weight rows; one program per unit or 3 persistent per SM) timed at M = 1, the best at 8; wide ones (64 rows with 4
+    warps or 128 with 8, K ranges in one program) at 64, the best at 20 and 32. The K ranges and the MMA fix a row's
+    numbers, so narrow and wide tiles move together: the least M=1 + M=8 + M=64 time goes into TUNED."""
+    t_end = time.perf_counter() + budget_s
+    best = {}
+    for _, label, n, k, gated, fp8 in _shapes_in_budget(cfg, fp8_options, t_end, say):
+        tuned = TUNED.get((n, k, fp8)) or candidates(n, k, gated, fp8)[0]
+        copies = _copies(n, k, gated, fp8)
+
+        def us(tiles, m):
+            return 1e3 * time_linear(n, k, gated, fp8, tiles, m, copies)
+
+        base = replace(tuned, prefill=None)
+        times = [us(base, m) for m in (1, 8, 64)]
+        say(f"    TUNED {' / '.join(f'{t:.1f}' for t in times)} µs at M=1/8/64  {base}")
+        choices = [(sum(times), base)]
+        bks = (128, 256) if fp8 else (64, 128)
+        for split in (s for s in (1, 2, 4, 8) if k // s >= 256):
+            narrow = []
+            for bk in bks:
+                for persistent in (0, 3):
+                    tiles = TileConfig(64, bk, split, 4, 4, 128 if split > 1 else 64, persistent=persistent)
+                    try:
+                        narrow.append((us(tiles, 1), tiles))
+                    except Exception as e:  # shared memory, registers
+                        say(f"    {tiles}: {type(e).__name__}")
+            t1, chosen = min(narrow, key=lambda r: r[0])
+            wide = []
+            for bk in bks:
+                for stages in (3, 4):
+                    for block_n, warps in ((128, 8), (64, 4)):
+                        tiles = replace(chosen, wide=TileConfig(block_n, bk, split, warps, stages, 16))
+                        try:
+                            wide.append((us(tiles, 64), tiles))
+                        except Exception as e:
+                            say(f"    {tiles.wide}: {type(e).__name__}")
+            t64, tiles = min(wide, key=lambda r: r[0])
+            t8 = us(tiles, 8)
+            say(f"    S={split} {t1:.1f} / {t8:.1f} / {us(tiles, 20):.1f} / {us(tiles, 32):.1f} / {t64:.1f} µs at "
+                f"M=1/8/20/32/64  {tiles}")
+            choices.append((t1 + t8 + t64, tiles))
+        chosen = min(choices, key=lambda c: c[0])[1]
+        best[(n, k, fp8)] = TUNED[(n, k, fp8)] = replace(chosen, prefill=tuned.prefill)
+        say(f"  {label:<10} → {chosen}")
+        del copies
+    return best
+
+
 PREFILL_ROWS = 2048  # a prefill pass: 4 prompts of 512 tokens, or 64 of 32
 
 

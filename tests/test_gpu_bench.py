@@ -1,4 +1,4 @@
-"""`bench linear`'s four tile sweeps (builder/gpu_bench.py) on the CPU, with a stand-in timer: what they run on the GPU
+"""`bench linear`'s five tile sweeps (builder/gpu_bench.py) on the CPU, with a stand-in timer: what they run on the GPU
 is timing, but what they write into TUNED must be tiles that TileConfig accepts (wide tiles that sum rows as the
 narrow ones do, prefill tiles without tiles of their own), starting from today's TUNED."""
 
@@ -23,7 +23,8 @@ def test_tile_sweeps_run_through_every_shape_and_leave_valid_tiles(monkeypatch):
     monkeypatch.setattr(gpu_bench, "_copies",
                         lambda n, k, gated, fp8: [types.SimpleNamespace(weight=types.SimpleNamespace(nbytes=n * k))])
     said = []
-    for sweep in (gpu_bench.sweep_persistent, gpu_bench.sweep_wide, gpu_bench.sweep_linear, gpu_bench.sweep_prefill):
+    for sweep in (gpu_bench.sweep_persistent, gpu_bench.sweep_wide, gpu_bench.sweep_linear, gpu_bench.sweep_ranges,
+                  gpu_bench.sweep_prefill):
         best = sweep(HIGGS_V3, 600.0, (False, True), say=said.append)
         assert len(best) >= 8, (sweep.__name__, said[-3:])  # every decoder shape in both precisions (+ the head)
     for tiles in gpu_bench.TUNED.values():
