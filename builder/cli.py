@@ -97,7 +97,7 @@ def bench_linear(budget, precision, tiles):
 
 @click.command("attention")
 def bench_attention():
-    """The GPU engine's decode attention at Higgs v3's heads: chunk, key block and pipeline stages timed
+    """The GPU engine's decode attention at Higgs v3's heads: chunk, key block, pipeline stages and warps timed
     at B = 1, 8, 64 and 300, 1000 cached positions (needs a GPU)."""
     with extras.needed("gpu", "bench attention"):
         from higgs_trt.builder.config import HIGGS_V3

@@ -422,7 +422,7 @@ def _clone(lin: Linear) -> Linear:
 
 def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), max_seq: int = 2048,
                     say=print) -> None:
-    """decode_attention_split's chunk, key block and pipeline stages, timed at each batch and context (µs per layer;
+    """decode_attention_split's chunk, key block, pipeline stages and warps, timed at each batch and context (µs per layer;
     every slot at `context` cached positions, four layers' caches in turn so that none is in L2), against the bytes of
     keys and values read at the copy bandwidth."""
     from higgs_trt.plugins import kernels
@@ -438,10 +438,11 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
     cos, sin = (t.cuda() for t in rope_table(cfg, max_seq, torch.bfloat16))
     out = torch.empty(b_max, hq * d, device="cuda", dtype=torch.bfloat16)
     pos = torch.zeros(b_max, dtype=torch.int64, device="cuda")
-    variants = [(chunk, block, stages) for chunk in (128, 256, 512) for block in (32, 64) for stages in (2, 3)]
+    variants = [(chunk, block, stages, warps) for chunk in (256, 512) for block in (32, 64, 128) for stages in (2, 3)
+                for warps in (4, 8)]
     say("decode attention, µs per layer (× the copy rate's time for its keys and values) at "
         + ", ".join(f"B={b} S={c}" for b in batches for c in contexts))
-    for chunk, block, stages in variants:
+    for chunk, block, stages, warps in variants:
         chunks = -(-max_seq // chunk)
         partials = torch.empty(b_max, hq, chunks, d, device="cuda")
         stats = torch.empty(b_max, hq, chunks, 2, device="cuda")
@@ -456,7 +457,7 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
                         kernels.decode_attention_split[(b, hkv, chunks)](
                             qkv, norm, norm, cos, sin, kv[0], kv[1], pos, out, partials, stats, tickets, max_seq,
                             cfg.rms_norm_eps, 1.0, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=chunk, BLOCK_S=block,
-                            MAX_CHUNKS=chunks, num_stages=stages)
+                            MAX_CHUNKS=chunks, num_stages=stages, num_warps=warps)
                 try:
                     us = graph_ms(run) / len(caches) * 1e3
                 except Exception as e:  # shared memory, registers
@@ -464,7 +465,7 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
                     continue
                 floor_us = 2 * b * hkv * context * d * 2 / bandwidth * 1e6
                 figures.append(f"{us:6.1f} ({us / floor_us:3.1f}×)")
-        say(f"  chunk {chunk:<4} block {block:<3} stages {stages}: {'  '.join(figures)}")
+        say(f"  chunk {chunk:<4} block {block:<3} stages {stages} warps {warps}: {'  '.join(figures)}")
 
 
 # ---- the decode step --------------------------------------------------------------------------------------------

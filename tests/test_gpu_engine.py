@@ -83,10 +83,10 @@ def test_codec_snake_on_the_gpu_equals_its_formula():
 
 def test_decode_attention_at_higgs_dimensions():
     """decode_attention_split from the q|k|v row: the new key and value written at each row's position, attention
-    over the prefix against fp32, and the same bits alone and in the batch."""
+    over the prefix against fp32, and the same bits alone and in the batch, with 2 or 3 pipeline stages."""
     from decode_rows import decode_rows
 
-    from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_STAGES
+    from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_WARPS
     from higgs_trt.plugins import kernels
 
     torch.manual_seed(0)
@@ -96,7 +96,7 @@ def test_decode_attention_at_higgs_dimensions():
     chunks = -(-S_MAX // ATTENTION_CHUNK)
     cuda = {name: t.cuda() for name, t in dict(qkv=qkv, qn=qn, kn=kn, cos=cos, sin=sin, kc=kc, vc=vc, pos=pos).items()}
 
-    def attend(rows):
+    def attend(rows, stages=3):
         out = torch.full((len(rows), HQ * D), float("nan"), device="cuda").bfloat16()
         kc2, vc2 = cuda["kc"][rows].clone(), cuda["vc"][rows].clone()
         parts = torch.empty(len(rows), HQ, chunks, D, device="cuda")
@@ -105,7 +105,8 @@ def test_decode_attention_at_higgs_dimensions():
         kernels.decode_attention_split[(len(rows), HKV, chunks)](
             cuda["qkv"][rows], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], kc2, vc2, cuda["pos"][rows], out,
             parts, stats, tickets, S_MAX, 1e-6, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D, CHUNK=ATTENTION_CHUNK,
-            BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks, num_stages=ATTENTION_STAGES)
+            BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks, num_stages=stages,
+            num_warps=ATTENTION_WARPS)
         torch.cuda.synchronize()
         assert not tickets.any()
         return out.cpu(), kc2.cpu(), vc2.cpu()
@@ -131,6 +132,8 @@ def test_decode_attention_at_higgs_dimensions():
         ref = (torch.softmax(qs[:, None] @ keys.transpose(1, 2), -1) @ values)[:, 0]
         assert ((got[i].view(HQ, D).float() - ref).abs() <= 0.02 * ref.abs() + 2e-3).all(), n
         assert torch.equal(attend([i])[0][0], got[i])  # alone or in the batch: the same bits
+    # the pipeline stages follow the batch (gpu_engine.attention_stages): they must not change a bit
+    assert torch.equal(attend(everyone, stages=2)[0], got)
 
 
 @pytest.fixture(scope="module")
