@@ -406,10 +406,10 @@ assert ((emb.float() - exact).abs() <= exact.abs().clamp(min=2 ** -20) * 2 ** -7
 
 def test_engine_prefills_joins_together_as_each_alone(tiny_ckpt):
     """The GPU engine's batched prefill (one call for every request joining) on the CPU: each slot's caches, first
-    codes and next input equal those of its prompt prefilled alone, whatever the order of the group."""
+    codes, next input and decode state equal those of its prompt prefilled alone, whatever the order of the group."""
     run(f"""
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.gpu_engine import GpuEngine
+from higgs_trt.builder.gpu_engine import GpuEngine, slot_runs
 from higgs_trt.builder.model import HiggsLM
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
@@ -433,6 +433,8 @@ for alone, slot, p in zip(solo, (2, 0, 1), ps):
     assert torch.equal(alone.caches[:, :, 0, :, :n], together.caches[:, :, slot, :, :n])
     assert torch.equal(alone.codes[0], together.codes[slot]) and torch.equal(alone.h[0], together.h[slot])
     assert int(alone.write_pos[0]) == int(together.write_pos[slot]) == n
+    assert all(torch.equal(a[0], b[slot]) for a, b in zip(alone.states, together.states))
+assert slot_runs([2, 0, 1, 5]) == [(0, 2, 1), (1, 0, 2), (3, 5, 1)]  # the slots' states go up run by run
 """)
 
 
