@@ -110,6 +110,7 @@ class Scheduler:
         self.decoding: deque[tuple[list, list]] = deque()  # a step's (windows, codec calls) whose audio is not out
         self.urgent = True  # a request has not had its first chunk yet: one row per step
         self.seconds = dict.fromkeys(("prefill", "decode", "codec", "other"), 0.0)  # the loop's time by phase
+        self.prefill_calls = 0
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
 
@@ -218,6 +219,7 @@ class Scheduler:
                 rows += len(request.prompt)
         if not joins:
             return
+        self.prefill_calls += 1
         try:
             self.engine.prefill([(slot, r.prompt, r.sampling) for slot, r in joins])
         except HiggsError as e:

@@ -235,6 +235,16 @@ class Metrics:
 
 class Cut(Exception):
     """The request stopped before its audio was complete (timeout, engine failure)."""
+        # where the engine thread's time goes, since start (warm-up included): the phases of the scheduler's loop
+        # (decode holds the steps and the waits for them), and how many prefill calls the joins took
+        loop = Gauge("higgs_engine_loop_seconds", "Seconds the engine thread spent in each phase of the scheduler's "
+                     "loop since start: prefill, decode (steps and waiting for them), codec, other", ["phase"],
+                     registry=r)
+        for phase in ("prefill", "decode", "codec", "other"):
+            loop.labels(phase).set_function(
+                lambda p=phase: engine.scheduler.seconds[p] if engine.scheduler is not None else 0.0)
+        Gauge("higgs_prefill_calls", "Prefill calls since start (each one or more joining requests)",
+              registry=r).set_function(scheduler("prefill_calls"))
 
     def __init__(self, message: str, code: str):
         super().__init__(message)

@@ -370,6 +370,8 @@ def test_health_models_metrics(server):
     for name in ("higgs_time_to_first_audio_seconds_count", "higgs_queue_depth", "higgs_busy_slots",
                  "higgs_audio_seconds_total"):
         assert name in m
+    # the warm-up request went through the loop: one prefill, decode steps
+    assert m["higgs_prefill_calls"] >= 1 and m['higgs_engine_loop_seconds{phase="decode"}'] > 0
     assert m["higgs_slots"] == 4
 
 
