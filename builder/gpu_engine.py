@@ -192,7 +192,7 @@ class Linear:
         order whatever m is: the decode tiles' order, or with `prefill` the prefill tiles' (TileConfig). An FP8 x
         holds codes at this linear's activation scale; an FP8 out gets codes at out_scale."""
         t = (tiles or self.tiles).for_rows(m, prefill)
-        rows = min(t.rows, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16, 32 or 64
+        rows = min(t.rows, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16 to the tiles' rows (64; 256)
         in_program = t.split_k > 1 and (rows >= t.in_program_from or m > rows)
         persistent = bool(t.persistent) and not in_program and m <= rows  # its units hold every row of x
         if persistent:

@@ -95,9 +95,10 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            FP8_SPAN: tl.constexpr = 0, X_FP8: tl.constexpr = False, OUT_FP8: tl.constexpr = False,
            PERSISTENT: tl.constexpr = False):
     """Grid (programs over M, N / BLOCK_N, SPLIT_K or 1). Each product is W·xᵀ for a weight tile [BLOCK_N, BLOCK_K]
-    and ROWS rows of x (16, 32 or 64): the weight rows sit on the MMA's M side, so BLOCK_N ≥ 64 uses Hopper's wgmma,
-    and the batch rows on its N side, where each output element is the same chain of K steps whatever N is (a row's
-    numbers do not depend on ROWS; tests/test_gpu_engine.py checks it bit for bit on the GPU).
+    and ROWS rows of x (16 to 64 in a decode step, up to 256 in a prefill): the weight rows sit on the MMA's M side,
+    so BLOCK_N ≥ 64 uses Hopper's wgmma, and the batch rows on its N side, where each output element is the same
+    chain of K steps whatever N is (a row's numbers do not depend on ROWS; tests/test_gpu_engine.py checks it bit for
+    bit on the GPU).
 
     K is summed in SPLIT_K ranges, each from zero, and the ranges' sums added in range order. The ranges go to
     programs of their own (grid dimension 2: parallelism for a few rows; the last program to finish adds them up),

@@ -88,7 +88,7 @@ MULTI_ROWS = 4
 def freeze_heap() -> None:
     """Keep what is alive before a decode loop starts (torch's and Triton's modules, the engine, the tokenizer: some
     230,000 objects) out of the collector's full passes, which otherwise walk all of it: on the H200 host one pass
-    stalled a 64-stream loop for 165–210 ms, the slow mode of the first audio at 64 streams. Unfrozen at exit, so
+    stalled a 64-stream loop for 155–217 ms, the slow mode of the first audio at 64 streams. Unfrozen at exit, so
     that the interpreter's last collection still finalizes it."""
     gc.collect()
     if not gc.get_freeze_count():
