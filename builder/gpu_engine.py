@@ -438,12 +438,17 @@ class GpuEngine:
                         with torch.cuda.graph(graph, stream=self.stream):
                             self._decode_rows(n, rows, parity)
                         self.graphs[n, parity, rows] = graph
-            for length in self.prompt_buckets:  # one prompt alone prefills from the graph of its length bucket
-                self._prefill_padded(1, length)  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self.stream):
-                    self._prefill_padded(1, length)
-                self.graphs["prompt", length] = graph
+            # a group of prompts prefills from the graph of its count and length buckets, where it fits a pass: the
+            # many small groups that joins spread over time make (a server's) cost ~13 ms of host time each eagerly,
+            # a few ms of GPU time replayed. The graphs share one pool: they run one after another on this stream.
+            pool = torch.cuda.graph_pool_handle()
+            for length in self.prompt_buckets:
+                for count in (b for b in self.buckets if b * length <= self.pass_rows):
+                    self._prefill_padded(count, length)  # warm-up (and Triton's compiles for these rows)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=self.stream, pool=pool):
+                        self._prefill_padded(count, length)
+                    self.graphs["prompt", count, length] = graph
         self.caches.zero_()
 
     def _capture_codec(self) -> None:
@@ -491,10 +496,10 @@ class GpuEngine:
     def _prefill_group(self, group: list[tuple[int, Prompt, Sampling]]) -> None:
         g, longest = len(group), max(len(prompt) for _, prompt, _ in group)
         bucket = next((b for b in self.prompt_buckets if b >= longest), None)
-        graph = self.graphs.get(("prompt", bucket)) if g == 1 else None
-        length = bucket if graph is not None else longest
+        graph = self.graphs.get(("prompt", self.bucket_of[g], bucket))
+        count, length = (self.bucket_of[g], bucket) if graph is not None else (g, longest)
         self._claim_stream()
-        self._stage_prompts([prompt for _, prompt, _ in group], length)
+        self._stage_prompts([prompt for _, prompt, _ in group], length, count)
         if graph is not None:
             graph.replay()
         else:
@@ -507,21 +512,23 @@ class GpuEngine:
         self._start([(slot, len(prompt), sampling) for slot, prompt, sampling in group])
         self._record("first", [slot for slot, _, _ in group])
 
-    def _stage_prompts(self, prompts: list[Prompt], length: int) -> None:
-        """Prefill input: each prompt padded with text token 0 to `length` rows, one after another, and the index
-        of each one's last row."""
+    def _stage_prompts(self, prompts: list[Prompt], length: int, count: int) -> None:
+        """Prefill input: each prompt padded with text token 0 to `length` rows, one after another, then empty
+        prompts up to `count` (a graph's count bucket: their rows are computed and never read), and the index of each
+        one's last row."""
         if self.prompt_copied is not None:
             self.prompt_copied.synchronize()  # the previous prefill's copies have left the pinned buffers
         host, last = self.host_prompt.numpy(), self.host_last.numpy()
-        rows = len(prompts) * length
+        rows = count * length
         host[:rows] = 0
+        last[:count] = np.arange(count) * length
         for j, prompt in enumerate(prompts):
             r, n = j * length, len(prompt)
             host[r:r + n, 0], host[r:r + n, -1] = prompt.input_ids, prompt.is_audio
             host[r:r + n, 1:-1] = prompt.audio_rows
             last[j] = r + n - 1
         self.prompt_in[:rows].copy_(self.host_prompt[:rows], non_blocking=True)
-        self.prompt_last[:len(prompts)].copy_(self.host_last[:len(prompts)], non_blocking=True)
+        self.prompt_last[:count].copy_(self.host_last[:count], non_blocking=True)
         if self.prompt_copied is not None:
             self.prompt_copied.record()
 
@@ -534,8 +541,8 @@ class GpuEngine:
     def _prefill_padded(self, g: int, length: int) -> None:
         """g staged prompts of `length` rows through every layer (rows of different prompts share each GEMM, whose K
         order does not depend on the rows, so a row's numbers depend neither on the others nor on the padding), their
-        keys and values into the stage, the logits of each one's last row into logits[:g]. A captured graph for
-        g = 1."""
+        keys and values into the stage, the logits of each one's last row into logits[:g]. Captured for each count
+        and length bucket that fits a pass (_capture_all)."""
         cfg, ws = self.cfg, self.workspace
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         p = g * length

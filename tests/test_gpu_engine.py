@@ -245,7 +245,9 @@ def test_mid_checkpoint_logits_cosine_over_64_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("temperature, precision", [(0.0, "bf16"), (1.0, "bf16"), (0.0, "fp8")])
 def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature, precision):
-    """Alone, a request prefills from its captured graph; joining several at once, through the eager batched path."""
+    """A request prefills from the captured graph of one prompt alone and when it joins a batch mid-flight (whose 7
+    requests prefilled together from the graph of 8, one empty prompt filling it up), and from the graph of 8 in the
+    middle of a group of 8: the same codes each time."""
     from higgs_trt.calibration.calibrate import calibrate
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.scheduler import Scheduler, request_for

@@ -406,7 +406,8 @@ assert ((emb.float() - exact).abs() <= exact.abs().clamp(min=2 ** -20) * 2 ** -7
 
 def test_engine_prefills_joins_together_as_each_alone(tiny_ckpt):
     """The GPU engine's batched prefill (one call for every request joining) on the CPU: each slot's caches, first
-    codes, next input and decode state equal those of its prompt prefilled alone, whatever the order of the group."""
+    codes, next input and decode state equal those of its prompt prefilled alone, whatever the order of the group;
+    padded to a captured graph's buckets, the same keys, values and logits."""
     run(f"""
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.gpu_engine import GpuEngine, slot_runs
@@ -435,6 +436,20 @@ for alone, slot, p in zip(solo, (2, 0, 1), ps):
     assert int(alone.write_pos[0]) == int(together.write_pos[slot]) == n
     assert all(torch.equal(a[0], b[slot]) for a, b in zip(alone.states, together.states))
 assert slot_runs([2, 0, 1, 5]) == [(0, 2, 1), (1, 0, 2), (3, 5, 1)]  # the slots' states go up run by run
+
+# a captured prefill graph pads the group to its count and length buckets: empty prompts and rows past each prompt
+# change nothing of the real prompts' keys, values and logits
+def staged(length, count):
+    engine = GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False)
+    engine._stage_prompts(ps, length, count)
+    engine._prefill_padded(count, length)
+    return engine
+longest = max(len(p) for p in ps)
+padded, exact = staged(64, 4), staged(longest, len(ps))
+assert torch.equal(padded.logits[:len(ps)], exact.logits[:len(ps)])
+for j, p in enumerate(ps):
+    n = len(p)
+    assert torch.equal(padded._stage_view(4, 64)[:, :, j, :, :n], exact._stage_view(len(ps), longest)[:, :, j, :, :n])
 """)
 
 
