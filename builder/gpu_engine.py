@@ -53,7 +53,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # chunk): the host's work per launch spread over several rows. A lone stream only, where that work is the most per row
 # and a join waits for the fewest slots.
 STEP_ROWS = {1: 4}
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured one-prompt prefills
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured prefills (counts: BUCKETS)
 PREFILL_PROMPTS = 4  # a prefill pass holds the rows of this many longest prompts (more when they are shorter)
 # decode attention: keys per program (a row's split depends only on its own length), per block, warps
 # (`higgs-trt bench attention`; the README has the figures behind the choice)
@@ -438,9 +438,9 @@ class GpuEngine:
                         with torch.cuda.graph(graph, stream=self.stream):
                             self._decode_rows(n, rows, parity)
                         self.graphs[n, parity, rows] = graph
-            # a group of prompts prefills from the graph of its count and length buckets, where it fits a pass: the
-            # many small groups that joins spread over time make (a server's) cost ~13 ms of host time each eagerly,
-            # a few ms of GPU time replayed. The graphs share one pool: they run one after another on this stream.
+            # a group of prompts prefills from the graph of its count and length buckets, where it fits a pass: joins
+            # spread over time (a server's) come in many small groups, each ~13 ms of host time eagerly and a few ms
+            # of GPU time replayed. The graphs share one pool: they run one after another on this stream.
             pool = torch.cuda.graph_pool_handle()
             for length in self.prompt_buckets:
                 for count in (b for b in self.buckets if b * length <= self.pass_rows):
@@ -505,10 +505,10 @@ class GpuEngine:
         else:
             self._prefill_padded(g, length)
         stage = self._stage_view(g, length)
-        for j, slot, count in slot_runs([slot for slot, _, _ in group]):
+        for j, slot, run in slot_runs([slot for slot, _, _ in group]):
             # the padding rows past a prompt go along: a slot's keys past its position are never read before a
             # decode step writes them (as a reused slot's keys of its previous request)
-            self.caches[:, :, slot:slot + count, :, :length].copy_(stage[:, :, j:j + count])
+            self.caches[:, :, slot:slot + run, :, :length].copy_(stage[:, :, j:j + run])
         self._start([(slot, len(prompt), sampling) for slot, prompt, sampling in group])
         self._record("first", [slot for slot, _, _ in group])
 
