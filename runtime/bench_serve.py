@@ -4,10 +4,13 @@ Closed-loop clients over HTTP (httpx): `concurrency` requests in flight, each fi
 `requests` have finished. Each streams pcm (`stream_format: audio`), with its own seed and at most `max_new_tokens`
 decode steps. Per level: audio seconds received / wall time (audio-s/s), time to first audio from sending the
 request to the first audio byte (p50 / p95 / mean), and underruns (pieces that arrived after the audio before them
-would have finished playing, the first excepted). One warm-up request runs first.
+would have finished playing, the first excepted). One warm-up request runs first. From the server's /metrics, read
+before and after each level: where its engine thread spent the level (the scheduler loop's phases) and how many
+prefill calls the joins took.
 """
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -59,6 +62,15 @@ async def _level(url: str, concurrency: int, requests: int, body) -> tuple[Strea
                          underruns), errors
 
 
+LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls)) (\S+)$', re.MULTILINE)
+
+
+async def _loop_totals(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's engine-loop seconds by phase and its prefill calls, since it started."""
+    text = (await client.get("/metrics")).text
+    return {phase or calls: float(value) for phase, calls, value in LOOP_METRIC.findall(text)}
+
+
 async def _wait_ready(url: str, wait: float, say) -> None:
     deadline = time.perf_counter() + wait
     async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
@@ -88,9 +100,15 @@ def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: 
         if errors:
             raise HiggsError(f"the warm-up request failed: {errors[0]}")
         say(f"warm-up: {warm.audio_s:.2f} s of audio per request ({max_new_tokens} decode steps at most)")
-        for c in levels:
-            await _level(url, c, c, body)  # warm-up: the codec meets this level's window shapes first
-            figures, errors = await _level(url, c, requests or 2 * c, body)
-            echo(figures.line() + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as metrics:
+            for c in levels:
+                await _level(url, c, c, body)  # warm-up: the codec meets this level's window shapes first
+                before = await _loop_totals(metrics)
+                figures, errors = await _level(url, c, requests or 2 * c, body)
+                after = await _loop_totals(metrics)
+                figures.phases = {phase: after[phase] - before.get(phase, 0.0) for phase in after}
+                calls = figures.phases.pop("prefill_calls", None)  # None: a server without these metrics
+                echo(figures.line() + (f"; {calls:.0f} prefill calls" if calls is not None else "")
+                     + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
 
     asyncio.run(main())

@@ -486,6 +486,9 @@ def test_bench_serve_prints_figures_per_level(server):
     lines = [line for line in r.output.splitlines() if line.startswith("concurrency")]
     assert len(lines) == 2 and all("3 requests" in line and "failed" not in line for line in lines), r.output
     assert all(float(re.search(r"= +([\d.]+) audio-s/s", line)[1]) > 0 for line in lines)
+    # the server's engine loop over the level, from its /metrics: decode time and at least one prefill call
+    assert all(float(re.search(r"loop prefill [\d.]+ s, decode ([\d.]+) s", line)[1]) > 0 for line in lines), r.output
+    assert all(int(re.search(r"; (\d+) prefill calls", line)[1]) >= 1 for line in lines), r.output
 
 
 def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
