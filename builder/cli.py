@@ -106,6 +106,26 @@ def bench_attention():
     sweep_attention(HIGGS_V3, say=click.echo)
 
 
+@click.command("profile")
+@click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True)
+@click.option("--batches", default="1,64", show_default=True, help="Batch sizes, comma-separated (1 to 64).")
+@click.option("--context", type=click.IntRange(1, 2047), default=300, show_default=True,
+              help="Cached positions of every slot (the keys attention reads).")
+def bench_profile(precision, batches, context):
+    """One decode step of the GPU engine kernel by kernel (torch's profiler, no programmatic dependent launch):
+    µs a layer per kernel, its share of the step, each GEMM's weight read rate. Random weights at Higgs v3's
+    dimensions (needs a GPU)."""
+    from higgs_trt.runtime.options import sizes
+
+    batch_sizes = sizes("--batches", batches, 64)
+    with extras.needed("gpu", "bench profile"):
+        from higgs_trt.builder.config import HIGGS_V3
+        from higgs_trt.builder.gpu_profile import profile_step
+    extras.require_cuda("bench profile")
+    fp8_options = {"bf16": (False,), "fp8": (True,), "both": (False, True)}[precision]
+    profile_step(HIGGS_V3, tuple(batch_sizes), fp8_options, context, say=click.echo)
+
+
 @click.command("export")
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
 @click.option("--max-seq", type=int, default=2048, show_default=True)
@@ -408,4 +428,5 @@ def tiny_checkpoint(out_dir, seed, shards, size):
 
 
 COMMANDS = [export, build, calibrate, compare, tiny_checkpoint]
-BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_checkpoint, bench_linear, bench_attention]
+BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_checkpoint, bench_linear, bench_attention,
+              bench_profile]

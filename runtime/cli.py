@@ -330,16 +330,6 @@ def bench_options(command):
     return command
 
 
-def _sizes(option: str, text: str, high: int) -> list[int]:
-    from .options import within
-
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise HiggsError(f"{option} takes comma-separated integers, got {text!r}") from None
-    return [within(option, v, 1, high) for v in values]
-
-
 @bench.command("decode")
 @bench_options
 @click.option("--batches", help="Batch sizes (GPU engine: one figure each; host-driven engines: the largest, prompts "
@@ -350,24 +340,24 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
     """Time the decode loop. GPU engine: ms per step by batch size, host µs per row, audio-s/s, time to first audio,
     peak memory, ratio to the weight-read floor. Host-driven engines: ms per step, host overhead, codec, RTF."""
     from .decoding import Sampling
-    from .options import within
+    from .options import sizes, within
     from .prompt import build_prompt
 
-    sizes = _sizes("--batches", batches or "1,8,64", 512)
+    batch_sizes = sizes("--batches", batches or "1,8,64", 512)
     within("--repeats", repeats, 1, 1000)
     within("--rows", rows, 8, 2048)
-    model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(sizes), precision,
+    model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(batch_sizes), precision,
                                      placeholder_scales)
     prompt = build_prompt(tokenizer, text)
     say(f"{model.name} backend, prompt of {len(prompt)} tokens, at most {rows} rows")
     if model.name == "torch-cuda":
         from higgs_trt.builder.gpu_bench import bench_decode as gpu_bench_decode
 
-        gpu_bench_decode(model, prompt, sizes, rows, say=click.echo)
+        gpu_bench_decode(model, prompt, batch_sizes, rows, say=click.echo)
         return
     from .bench import run_bench
 
-    batch = max(sizes) if batches else min(max(sizes), model.max_batch)
+    batch = max(batch_sizes) if batches else min(max(batch_sizes), model.max_batch)
     within("--batches", batch, 1, model.max_batch, "the engine's slots")
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
         click.echo(run_bench(model, [prompt] * batch, sampling, repeats, rows).line())
@@ -382,10 +372,10 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
                  concurrency, requests, temperature):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level."""
     from .bench import bench_stream as run_stream
-    from .options import sampling, within
+    from .options import sampling, sizes, within
     from .prompt import build_prompt
 
-    levels = _sizes("--concurrency", concurrency, 4096)
+    levels = sizes("--concurrency", concurrency, 4096)
     within("--rows", rows, 8, 2048)
     within("--requests", requests, 0, 100_000)
     settings = sampling(temperature, 0, 1.0, 0)
@@ -413,9 +403,9 @@ def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
     """A running server measured at the client: streamed pcm over HTTP, audio-s/s and time to first audio p50/p95
     per concurrency level (from sending the request to the first audio byte), underruns."""
     from . import extras
-    from .options import within
+    from .options import sizes, within
 
-    levels = _sizes("--concurrency", concurrency, 4096)
+    levels = sizes("--concurrency", concurrency, 4096)
     within("--requests", requests, 0, 100_000)
     within("--max-new-tokens", max_new_tokens, 8, 2048)
     with extras.needed("serve", "bench serve"):

@@ -29,3 +29,12 @@ def within(option: str, value: int, low: int, high: int, why: str = "") -> int:
     if not low <= value <= high:
         raise HiggsError(f"{option} must lie in {low}..{high}{' (' + why + ')' if why else ''}, got {value}")
     return value
+
+
+def sizes(option: str, text: str, high: int) -> list[int]:
+    """Comma-separated integers in 1..high (batch sizes, concurrency levels)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise HiggsError(f"{option} takes comma-separated integers, got {text!r}") from None
+    return [within(option, v, 1, high) for v in values]

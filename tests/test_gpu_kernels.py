@@ -539,3 +539,61 @@ assert cos.mean() >= 0.999 and cos.min() >= 0.997, cos.tolist()
 to_bf16 = F.cosine_similarity(got, bf16_twin, dim=1)
 assert cos[0] > to_bf16[0] and cos.mean() > to_bf16.mean(), to_bf16.tolist()  # FP8 moves the prompt row most
 """)
+
+
+def test_profile_labels_follow_the_engines_launch_order(tiny_ckpt):
+    """bench profile names each kernel of a step by its place: the names must follow the order in which the engine's
+    decode step launches them (recorded here around every kernel of a tiny engine's step)."""
+    run(f"""
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.builder.gpu_engine import GpuEngine
+from higgs_trt.builder.gpu_profile import label_step
+from higgs_trt.builder.model import HiggsLM
+from pathlib import Path
+
+launched = []
+
+class Recorded:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        def run(*args, **kwargs):
+            launched.append(self.kernel.fn.__name__)
+            return launch(*args, **kwargs)
+        return run
+
+for module, name in ((gpu_kernels, "rms_norm"), (gpu_kernels, "linear"), (gpu_kernels, "advance_slots"),
+                     (kernels, "decode_attention_split"), (kernels, "delayed_codebook_sample")):
+    setattr(module, name, Recorded(getattr(module, name)))
+ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
+tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=1, max_prompt=32, device="cpu", graphs=False)
+engine.active[:1] = 1
+engine._decode(1)
+labels = label_step(launched, ckpt.config.num_layers)
+assert labels[:7] == ["norm (input)", "q|k|v", "attention", "o", "norm (post)", "gate|up", "down"], labels[:7]
+assert labels[-4:] == ["norm (final)", "audio head", "codebook", "advance"]
+try:
+    label_step(launched[:3] + launched[4:], ckpt.config.num_layers)
+except ValueError as e:
+    assert "kernels in the step" in str(e)
+else:
+    raise AssertionError("a step with a kernel missing was labelled")
+""")
+
+
+def test_profile_summary_per_layer_and_read_rate():
+    from higgs_trt.builder.gpu_profile import LAYER, TAIL, label_step, summarize
+
+    names = [kernel + "_0d1d" for kernel, _ in LAYER] * 2 + [kernel for kernel, _ in TAIL]
+    labels = label_step(names, 2)
+    us = [2.0, 10.0, 8.0, 5.0, 2.0, 20.0, 10.0] * 2 + [1.0, 4.0, 3.0, 1.0]
+    lines = summarize(labels, us, 2, {"gate|up": 40_000_000, "audio head": 2_000_000})
+    gate_up = next(line for line in lines if "gate|up" in line)
+    assert "20.0 µs a layer" in gate_up and "2.00 TB/s" in gate_up, gate_up  # 40 MB in 20 µs
+    assert "0.50 TB/s" in next(line for line in lines if "audio head" in line)  # 2 MB in 4 µs, once a step
+    assert lines[-1].split()[1] == f"{sum(us) / 1e3:.3f}"
+    with pytest.raises(ValueError, match="kernel 1 of the step is 'rms_norm'"):
+        label_step(["rms_norm", "rms_norm"] + names[2:], 2)
