@@ -110,7 +110,7 @@ def test_help_lists_commands():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an NVIDIA GPU")
-@pytest.mark.parametrize("command", ["kernels", "linear", "attention"])
+@pytest.mark.parametrize("command", ["kernels", "linear", "attention", "profile"])
 def test_gpu_benchmarks_without_a_gpu_are_refused_in_one_line(command):
     r = higgs("bench", command)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
