@@ -12,7 +12,7 @@ import re
 import torch
 
 from .config import HiggsConfig
-from .gpu_bench import random_tensors
+from .gpu_bench import linear_bytes, placeholder_amax, random_tensors
 from .gpu_engine import GpuEngine
 
 # one layer's kernels in launch order (Triton kernel name, label), then the step's tail
@@ -58,14 +58,12 @@ def profile_step(cfg: HiggsConfig, batches=(1, 64), fp8_options=(False, True), c
 
     tensors = random_tensors(cfg)
     for fp8 in fp8_options:
-        amax = {f"body.layers.{i}.{site}": 4.0 for i in range(cfg.num_layers)
-                for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")} if fp8 else None
-        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=512, act_amax=amax,
-                           graphs=False, pdl=False)
+        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=512,
+                           act_amax=placeholder_amax(cfg) if fp8 else None, graphs=False, pdl=False)
         layer = engine.layers[0]
-        weight_bytes = {label: sum(t.nbytes for t in (lin.weight, lin.up, lin.scale, lin.up_scale) if t is not None)
-                        for label, lin in (("q|k|v", layer.qkv), ("o", layer.o), ("gate|up", layer.gate_up),
-                                           ("down", layer.down), ("audio head", engine.head))}
+        weight_bytes = {label: linear_bytes(lin) for label, lin in (
+            ("q|k|v", layer.qkv), ("o", layer.o), ("gate|up", layer.gate_up), ("down", layer.down),
+            ("audio head", engine.head))}
         for b in batches:
             engine.active[:b] = 1
             for _ in range(3):  # compile and warm up

@@ -296,16 +296,15 @@ def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, 
         return model, tokenizer
     if not checkpoint or engine or precision != "fp8":
         raise HiggsError("--placeholder-scales times FP8 speed from a --checkpoint (with --precision fp8)")
+    from higgs_trt.builder.gpu_bench import placeholder_amax
     from higgs_trt.builder.gpu_engine import load_gpu_engine
 
     from .engines import load_tokenizer, open_sources
 
     sources = open_sources("torch", None, checkpoint, precision, max_seq)
     ckpt = sources.checkpoint
-    amax = {f"body.layers.{i}.{site}": 4.0 for i in range(ckpt.config.num_layers)
-            for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
     model = load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(512, max_seq // 2),
-                            act_amax=amax, say=say)
+                            act_amax=placeholder_amax(ckpt.config), say=say)
     return model, load_tokenizer(sources)
 
 
