@@ -255,7 +255,10 @@ def quantize_rows(x, out, scale, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.c
     tl.store(out + row * N + c, quantize(v.to(tl.float32), scale), mask=c < N)
 
 
-@triton.jit
+# Launched on slices that start at any slot and for any number of slots (a run of joins): unspecialized on both, as
+# Triton would otherwise compile a variant per pointer alignment and count (~0.5 s each, on the request path).
+@triton.jit(do_not_specialize=["n"],
+            do_not_specialize_on_alignment=["write_pos", "row_index", "end_frame", "end_next", "active"])
 def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq, BLOCK: tl.constexpr,
                   PDL: tl.constexpr = False):
     """After a step (or a prefill's first row): every active slot moves to its next row; its end frame takes what

@@ -414,7 +414,11 @@ def delayed_codebook_step(logits, row_index, end_frame, table,
                   table, table, codes, embedding, codes, K, VOCAB, HIDDEN, BLOCK_V, BLOCK_H, False, False)
 
 
-@triton.jit
+# The GPU path launches it on slot slices that start anywhere (a run of joins): the per-slot state pointers are left
+# unspecialized on alignment, or Triton compiles a variant (~0.5 s) for each slot offset's alignment on the request
+# path. The logits, table, codes and embedding rows are 16-byte multiples: aligned at any slot.
+@triton.jit(do_not_specialize_on_alignment=["row_index", "end_frame", "temperature", "top_k", "top_p", "seed",
+                                            "end_next"])
 def delayed_codebook_sample(logits, row_index, end_frame, table, temperature, top_k, top_p, seed,
                             codes, embedding, end_next,
                             K: tl.constexpr, VOCAB: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_V: tl.constexpr,
