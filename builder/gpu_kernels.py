@@ -229,13 +229,13 @@ def rms_norm(x, weight, out, eps, out_scale, H: tl.constexpr, BLOCK: tl.constexp
              PDL: tl.constexpr = False):
     """One program per row: weight · bf16(x / rms(x)), statistics in fp32 (as the reference RMSNorm); OUT_FP8: that
     bf16 value quantized at out_scale, the input of an FP8 linear."""
-    await_inputs(PDL)
     row = tl.program_id(0)
     h = tl.arange(0, BLOCK)
     inside = h < H
+    w = tl.load(weight + h, mask=inside, other=0.0).to(tl.float32)  # before the wait: no kernel writes weights
+    await_inputs(PDL)
     v = tl.load(x + row * H + h, mask=inside, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
-    w = tl.load(weight + h, mask=inside, other=0.0).to(tl.float32)
     y = (w * (v * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
     if OUT_FP8:
         tl.store(out + row * H + h, quantize(y.to(tl.float32), out_scale), mask=inside)

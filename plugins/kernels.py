@@ -61,6 +61,18 @@ def await_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs, nbytes, on):
+    """Where `on`: Hopper's bulk copy engine fetches `nbytes` from each address into L2 (cp.async.bulk.prefetch.L2:
+    no registers filled, nothing to wait for; addresses and sizes multiples of 16). The interpreter has no such
+    instruction: nothing there."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t}"
+            "\n\tmov.u32 $0, 0;", "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), nbytes, on.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def to_fp8(v):
     """fp32 [−448, 448] → float8e4nv, round to nearest even."""
     if INTERPRETED:
@@ -227,7 +239,7 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
                            max_seq, eps, out_scale,
                            Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
-                           OUT_FP8: tl.constexpr = False):
+                           OUT_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """GPU path, one new row per batch row, from the fused q|k|v projection's rows qkv [B, (Hq + 2·Hkv)·D]: what
     qk_norm_rope_kv_write does for the row (q and k normalised per head and rotated at position write_pos[b], k and
     v written into the caches there), then attention over the prefix 0..write_pos[b] → out [B, Hq·D]. One kernel
@@ -237,8 +249,12 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
     chunks is combined, in chunk order, by the program that finishes last (partials [B, Hq, MAX_CHUNKS, D], stats
     [B, Hq, MAX_CHUNKS, 2] fp32).
     OUT_FP8: out holds the bf16 result quantized at out_scale, the FP8 o projection's input (quantized once here,
-    not in each of that GEMM's programs: at 64 rows they spent more time quantizing than reading weights)."""
-    await_inputs(PDL)
+    not in each of that GEMM's programs: at 64 rows they spent more time quantizing than reading weights).
+
+    Before the wait (PDL: while the q|k|v GEMM runs) it reads only what no kernel of this step writes: the row's
+    position (advance_slots, at the end of the previous step), the RoPE table and, with PREFETCH, its chunk's cached
+    keys and values, sent to L2 (written by earlier steps; the row at `pos`, rewritten below, is fetched stale
+    and never read stale: L2 is where the write goes)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     c = tl.program_id(2)
@@ -247,11 +263,15 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
     pos = tl.minimum(tl.load(write_pos + b), max_seq - 1)
     length = pos + 1
     chunks = (length + CHUNK - 1) // CHUNK
+    half = tl.arange(0, HALF)[None, :]
+    co = tl.load(cos + pos * HALF + half).to(tl.float32)  # pos < max_seq, the table's rows
+    sn = tl.load(sin + pos * HALF + half).to(tl.float32)
+    if PREFETCH:
+        _prefetch_chunk(k_cache, v_cache, ((b * KV_HEADS + g) * max_seq) * HEAD_DIM, c * CHUNK,
+                        tl.minimum(c * CHUNK + CHUNK, length), HEAD_DIM, CHUNK)
+    await_inputs(PDL)
     if c < chunks:
         src = qkv + b * ((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)
-        half = tl.arange(0, HALF)[None, :]
-        co = tl.load(cos + pos * HALF + half).to(tl.float32)
-        sn = tl.load(sin + pos * HALF + half).to(tl.float32)
         if c == chunks - 1:  # the program of the last chunk writes the new key and value first
             k_src = src + (Q_HEADS + g) * HEAD_DIM
             k1, k2 = _head_norm(tl.load(k_src + half).to(tl.float32), tl.load(k_src + HALF + half).to(tl.float32),
@@ -296,6 +316,18 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
                 tl.debug_barrier()
                 _combine_chunks(out, partials, stats, part, q_rows, d, valid, chunks, out_scale, HEAD_DIM, OUT_FP8)
                 tl.atomic_xchg(tickets + b * KV_HEADS + g, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _prefetch_chunk(k_cache, v_cache, cache, start, stop, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+    """Keys and values of rows start..stop-1 into L2, in 128 pieces (one a thread at 4 warps): a piece of CHUNK / 64
+    rows of keys or of values each."""
+    tl.static_assert(CHUNK % 64 == 0)
+    ROWS: tl.constexpr = CHUNK // 64
+    i = tl.arange(0, 128)
+    first = start + (i % 64) * ROWS
+    base = tl.where(i < 64, k_cache, v_cache) + cache + first * HEAD_DIM
+    prefetch_l2(base, (tl.minimum(stop - first, ROWS) * HEAD_DIM * 2).to(tl.int32), first < stop)
 
 
 @triton.jit
