@@ -658,6 +658,10 @@ class GpuEngine:
                 out += [(s, codes[s]) for s, e in zip(slots, epochs) if self._live(s, e)]
         return out
 
+    def busy(self) -> bool:
+        """The last launch (step or prefill) still runs on the GPU."""
+        return bool(self.pending) and self.pending[-1][0] is not None and not self.pending[-1][0].query()
+
     def _live(self, slot: int, epoch: int) -> bool:
         return epoch == self.epochs[slot] and self.live[slot]
 

@@ -41,6 +41,9 @@ class TimedEngine:
     def release(self, slot):
         self.inner.release(slot)
 
+    def busy(self):
+        return self.inner.busy()
+
 
 @dataclass
 class Figures:

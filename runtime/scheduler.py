@@ -10,7 +10,8 @@ One loop, shared by every backend (the slot contract: runtime/stepper.py, builde
   release  finished or cancelled requests free their slot; the engine no longer advances it
   audio    codec windows that became decodable (runtime/streaming.py), windows of equal length decoded in one call;
            an engine may decode them while the next steps run (the GPU engine's codec stream): a step's audio goes
-           out, in window order, once all of it is ready; a first chunk is waited for (time to first audio)
+           out, in window order, once all of it is ready; a first chunk is waited for while the engine still
+           runs a step (time to first audio without idling the GPU)
 
 A request's codes depend only on its prompt, sampling and seed (batch-invariant kernels, per-request uniforms), so
 it decodes the same alone or joining a batch mid-flight. `submit` and `cancel` may be called from other threads.
@@ -83,6 +84,7 @@ PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (â‰
 # is spread over them; a join or a cancel then waits for up to that many rows (the engine decides how many it does:
 # builder/gpu_engine.STEP_ROWS, one on host-driven engines).
 MULTI_ROWS = 4
+AUDIO_POLL_S = 0.0002  # how often a first chunk's codec call is polled while the engine runs a step
 
 
 def freeze_heap() -> None:
@@ -255,13 +257,15 @@ class Scheduler:
         self.decoding.append((windows, calls))
 
     def _collect(self, wait: bool) -> None:
-        """Hand out the audio of the steps whose codec calls are done, oldest first, in window order; with `wait`,
-        or up to the last step holding a first chunk, wait for it."""
+        """Hand out the audio of the steps whose codec calls are done, oldest first, in window order. Up to the last
+        step holding a first chunk, wait for it while the engine still runs the step launched (the wait costs no
+        step then: blocking until a call of 64 windows was done left the GPU idle for ~5 steps); with `wait`
+        (nothing left to decode), wait for all."""
         firsts = [i for i, (windows, _) in enumerate(self.decoding) if any(w.emit_from == 0 for _, w in windows)]
-        urgent = len(self.decoding) if wait else firsts[-1] + 1 if firsts else 0
+        urgent = firsts[-1] + 1 if firsts else 0
         while self.decoding:
             windows, calls = self.decoding[0]
-            if urgent <= 0 and not all(call.ready() for _, call in calls):
+            if not wait and not self._ready(calls, while_busy=urgent > 0):
                 return
             urgent -= 1
             self.decoding.popleft()
@@ -276,6 +280,15 @@ class Scheduler:
                 request.emitted = window.emit_to
                 if request.utterance.done and request.emitted >= request.utterance.ready():
                     self._finish(request)
+
+    def _ready(self, calls: list, while_busy: bool) -> bool:
+        """Whether the codec calls are done; `while_busy`: polled until they are or the engine has no step left to
+        run."""
+        while not all(call.ready() for _, call in calls):
+            if not (while_busy and self.engine.busy()):
+                return False
+            time.sleep(AUDIO_POLL_S)
+        return True
 
     def _deliver(self, request: Request, chunk: np.ndarray) -> None:
         if request.first_audio_at is None:

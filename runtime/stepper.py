@@ -1,9 +1,10 @@
 """The slot contract over an engine graph that is called from the host (ONNX Runtime, TensorRT, the torch reference).
 
-The scheduler (runtime/scheduler.py) drives every backend through the same five calls: `prefill(joins)` (a list of
+The scheduler (runtime/scheduler.py) drives every backend through the same six calls: `prefill(joins)` (a list of
 (slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n)`, `rows(keep)`,
-`release(slot)` and `codec(codes)` (a handle: `ready()`, and `result()` the audio, so that an engine may decode audio
-while it decodes rows; host-driven ones return it done, as `Decoded`). The GPU engine (builder/gpu_engine.py) keeps
+`release(slot)`, `codec(codes)` (a handle: `ready()`, and `result()` the audio, so that an engine may decode audio
+while it decodes rows; host-driven ones return it done, as `Decoded`) and `busy()` (a launched step still runs:
+never, for a host-driven engine). The GPU engine (builder/gpu_engine.py) keeps
 each slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
@@ -75,6 +76,9 @@ class HostStepper:
 
     def release(self, slot: int) -> None:
         self.live[slot] = False
+
+    def busy(self) -> bool:
+        return False
 
     def codec(self, codes: np.ndarray) -> "Decoded":
         return Decoded(self.backend.codec(codes))

@@ -150,7 +150,8 @@ def test_several_rows_per_step_only_once_every_request_has_its_first_chunk(engin
 
 
 class LateCodec:
-    """The ORT engine with a codec that is ready only after a few polls, as the GPU engine's codec stream may be."""
+    """The ORT engine with a codec that is ready only after a few polls, as the GPU engine's codec stream may be, and
+    a step that runs on (`busy`) for as many polls or not at all."""
 
     class Call:
         def __init__(self, done, polls):
@@ -163,8 +164,8 @@ class LateCodec:
         def result(self):
             return self.done.result()
 
-    def __init__(self, inner, polls):
-        self.inner, self.polls, self.calls = inner, polls, []
+    def __init__(self, inner, polls, busy_polls=0):
+        self.inner, self.polls, self.calls, self.busy_polls, self.running = inner, polls, [], busy_polls, 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -172,6 +173,14 @@ class LateCodec:
     def codec(self, codes):
         self.calls.append(self.Call(self.inner.codec(codes), self.polls))
         return self.calls[-1]
+
+    def step(self, n, rows=1):
+        self.inner.step(n, rows)
+        self.running = self.busy_polls
+
+    def busy(self):
+        self.running -= 1
+        return self.running >= 0
 
 
 def test_audio_decoded_beside_the_steps_arrives_whole_in_order_and_not_after_a_cancel(engine, prompts):
@@ -184,18 +193,28 @@ def test_audio_decoded_beside_the_steps_arrives_whole_in_order_and_not_after_a_c
     scheduler = Scheduler(engine)
     scheduler.submit(fixed(chunks.append))
     scheduler.run()
-    late = LateCodec(engine, polls=3)
+    late = LateCodec(engine, polls=3, busy_polls=5)
     scheduler = Scheduler(late)
     request = scheduler.submit(fixed(late_chunks.append))
-    while request.first_audio_at is None:
+    while not late.calls:
         scheduler.step()
-    assert len(late_chunks) == 1  # a first chunk is waited for, in the step that started it
+    assert len(late_chunks) == 1  # a first chunk is waited for in the step that started it, while a step runs
     while scheduler.step():
         pass
     assert len(late_chunks) == len(chunks) > 3 and np.array_equal(np.concatenate(late_chunks), np.concatenate(chunks))
-    # the first chunk was taken without asking; later ones once ready (the last step's: waited for, nothing else
-    # left to do)
-    assert request.finished and late.calls[0].polls == 3 and any(call.polls < 0 for call in late.calls[1:])
+    # later chunks go out once ready (the last step's: waited for, nothing else left to do)
+    assert request.finished and any(call.polls < 0 for call in late.calls[1:])
+
+    idle = LateCodec(engine, polls=3, busy_polls=0)  # no step runs on: the first chunk waits for a later step
+    scheduler = Scheduler(idle)
+    early = []
+    request = scheduler.submit(fixed(early.append))
+    while not idle.calls:
+        scheduler.step()
+    assert not early
+    while not early:
+        scheduler.step()
+    assert idle.calls[0].polls < 0 and np.array_equal(early[0], chunks[0])
 
     # a request cancelled while a chunk of it is decoding gets nothing more
     got = []
