@@ -625,3 +625,41 @@ def test_load_200_requests_at_concurrency_16(engine_dir, refs, solo, long_reques
     print(f"load: 200 requests (146 valid, all bit-exact with their solo runs; 50 malformed; {DISCONNECTS} "
           f"disconnects) at concurrency 16 in {seconds:.1f} s; server RSS {before_mb:.1f} → {after_mb:.1f} MB ({growth:+.1f} MB)")
     assert growth <= 50
+
+
+def test_chunks_reach_the_event_loop_in_bursts_in_order():
+    """What the engine thread puts while the event loop is busy arrives whole and in order, per queue, after one
+    wake-up of the loop (each wake-up costs the engine thread a GIL hand-over)."""
+    import threading
+
+    from higgs_trt.runtime.server import Outbox
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    wakeups = []
+    wake = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda fn, *a: (wakeups.append(fn.__name__), wake(fn, *a))[1]
+    try:
+        queues = asyncio.run_coroutine_threadsafe(_two_queues(), loop).result()
+        outbox = Outbox(loop)
+        busy = threading.Event()
+        wake(lambda: (busy.set(), time.sleep(0.2)))  # the loop is busy while the items are put
+        busy.wait()
+        for i in range(100):
+            outbox.put(queues[i % 2], i)
+        got = asyncio.run_coroutine_threadsafe(_drain(queues, 50), loop).result(timeout=5)
+        assert got == [list(range(0, 100, 2)), list(range(1, 100, 2))] and wakeups.count("_hand_out") == 1
+        outbox.put(queues[0], "later")  # after a hand-out, the next item wakes the loop again
+        assert asyncio.run_coroutine_threadsafe(_drain(queues[:1], 1), loop).result(timeout=5) == [["later"]]
+        assert wakeups.count("_hand_out") == 2
+    finally:
+        loop.call_soon_threadsafe = wake
+        loop.call_soon_threadsafe(loop.stop)
+
+
+async def _two_queues():
+    return [asyncio.Queue(), asyncio.Queue()]
+
+
+async def _drain(queues, n):
+    return [[await q.get() for _ in range(n)] for q in queues]
