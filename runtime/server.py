@@ -8,7 +8,7 @@
 Threads. uvicorn's event loop runs the HTTP side. One engine thread owns everything that touches the engine: it
 opens and warms it, encodes reference audio, and runs `scheduler.step()`, sleeping on the scheduler's wakeup event
 when there is nothing to do. A handler submits its request (thread-safe) and gets the audio through an asyncio.Queue
-that the engine thread feeds through an Outbox (one `call_soon_threadsafe` for a burst of chunks). When a response body stops early — the client went away
+that the engine thread feeds with `call_soon_threadsafe`. When a response body stops early — the client went away
 (Starlette cancels the body), the request timed out, the server is shutting down — its request is cancelled, and the
 loop frees the slot at its next step.
 
@@ -257,39 +257,11 @@ class Cut(Exception):
         self.code = code
 
 
-class Outbox:
-    """Items for asyncio queues, from the engine thread to the event loop in bursts: one wake-up of the loop for all
-    that the engine thread puts before the loop runs, not one per chunk. Each call_soon_threadsafe writes to the
-    loop's self-pipe, and the engine thread lets the GIL go there and waits to win it back (up to the switch
-    interval): a step's chunks for 64 streams paid that 64 times."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.items: list[tuple[asyncio.Queue, object]] = []
-        self.lock = threading.Lock()
-
-    def put(self, target: asyncio.Queue, item) -> None:
-        with self.lock:
-            self.items.append((target, item))
-            if len(self.items) > 1:  # a wake-up is already on its way
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._hand_out)
-        except RuntimeError:  # the event loop has closed: nobody is listening
-            pass
-
-    def _hand_out(self) -> None:
-        with self.lock:
-            items, self.items = self.items, []
-        for target, item in items:
-            target.put_nowait(item)
-
-
 class AudioQueue:
     """The request's callbacks (called on the engine thread) → an asyncio.Queue the response body reads."""
 
-    def __init__(self, outbox: Outbox, metrics: Metrics):
-        self.outbox, self.loop, self.metrics = outbox, outbox.loop, metrics
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics):
+        self.loop, self.metrics = loop, metrics
         self.items: asyncio.Queue = asyncio.Queue()
         self.stopped: str | None = None  # why the body stopped early: the outcome of a cancelled request
 
@@ -305,7 +277,10 @@ class AudioQueue:
         self._put(None)
 
     def _put(self, item) -> None:
-        self.outbox.put(self.items, item)
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
 
     async def chunks(self, request, deadline: float):
         """The request's audio chunks as they come; Cut if it times out or fails."""
@@ -333,7 +308,6 @@ class SpeechService:
         self.metrics = Metrics(engine)
         self.created = int(time.time())
         self.draining = False
-        self.outbox: Outbox | None = None  # made on the server's event loop (create_app's lifespan)
 
     # ---- routes ----
 
@@ -385,7 +359,7 @@ class SpeechService:
         body = await self._body(request)
         speech = await run_in_threadpool(parse_speech, body, self.model, self.voices, self.ref_dir)
         prompt = await self._prompt(speech)
-        stream = AudioQueue(self.outbox, self.metrics)
+        stream = AudioQueue(asyncio.get_running_loop(), self.metrics)
         with field("input"):
             job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
                               on_chunk=stream.chunk, on_done=stream.done)
@@ -502,7 +476,6 @@ def encode_file(audio: np.ndarray, fmt: str) -> bytes:
 def create_app(service: SpeechService) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
-        service.outbox = Outbox(asyncio.get_running_loop())
         service.engine.start()
         try:
             yield
