@@ -14,8 +14,11 @@ this gives 10 frames on each side: a window that carries L ≥ left and H ≥ ri
 frames it emits decodes them exactly as the one-shot decode does; with one frame less, the seam samples differ.
 
 Windows: the first chunk is `first` frames, then `chunk` frames each, every one decoded with up to `left` frames
-before and `right` after; the last window ends at the utterance's end (where the one-shot decode pads too) and is
-decoded at its own length. `first_right` < right trades exactness of the first chunk's tail for earlier audio.
+before and `right` after; the last window ends at the utterance's end (where the one-shot decode pads too), never
+padded past it. It reaches back as far as a middle window is long (left + chunk + right frames, the extra ones real
+context: the same samples), so that an utterance's tail decodes at the length of every other window (the GPU
+engine's captured codec graphs; eagerly, ~100 launches) unless the whole utterance is shorter. `first_right` < right
+trades exactness of the first chunk's tail for earlier audio.
 """
 
 from dataclasses import dataclass
@@ -99,4 +102,8 @@ class StreamPlan:
                 return None
         elif ready < emitted + size + holdback:
             return None
-        return Window(max(0, emitted - self.left), min(ready, emitted + size + holdback), emitted, emitted + size)
+        stop = min(ready, emitted + size + holdback)
+        start = max(0, emitted - self.left)
+        if final:  # reach back to a whole window's length: more real context, the same samples
+            start = max(0, min(start, stop - (self.left + self.chunk + self.right)))
+        return Window(start, stop, emitted, emitted + size)

@@ -58,8 +58,24 @@ def test_one_frame_less_context_is_not_exact(codec, short):
     """The test has teeth: the seams of a plan one frame short of the receptive field differ from the one-shot."""
     left, right = receptive_field(codec.dims.strides)
     plan = StreamPlan(left - (short == "left"), right - (short == "right"))
-    frames = np.random.default_rng(7).integers(0, 1024, size=(61, 8))
+    frames = np.random.default_rng(7).integers(0, 1024, size=(100, 8))  # a middle window past the first frames
     assert np.abs(streamed(codec, frames, plan) - decode(codec, frames)).max() > 1e-5
+
+
+@pytest.mark.parametrize("length", [44, 45, 46, 61, 100, 243])
+def test_every_window_after_the_first_has_one_length(length):
+    """The last window reaches back to a middle window's length (so the GPU engine replays one captured graph for
+    it), emitting only what is left; an utterance shorter than that decodes whole."""
+    plan = StreamPlan.exact((8, 5, 4, 2, 3))
+    windows, emitted = [], 0
+    for ready in range(1, length + 1):
+        while window := plan.next_window(emitted, ready, final=ready == length):
+            windows.append(window)
+            emitted = window.emit_to
+    full = plan.left + plan.chunk + plan.right
+    assert emitted == length and windows[-1].stop == length
+    assert all(w.stop - w.start == min(full, w.stop) for w in windows[1:])
+    assert all(a.emit_to == b.emit_from for a, b in zip(windows, windows[1:]))
 
 
 def test_an_utterance_ending_by_eoc_in_its_first_rows_streams_what_it_has(codec):
