@@ -36,7 +36,7 @@ def choose_backend(name: str | None, engine: Path | None, checkpoint: Path | Non
     if name != "torch" and engine is None:
         raise HiggsError(f"--backend {name} needs --engine")
     if "max_seq" in options and (name != "torch" or engine is not None):
-        raise HiggsError(f"--max-seq applies to --backend torch from a --checkpoint only; an engine directory keeps "
+        raise HiggsError("--max-seq applies to --backend torch from a --checkpoint only; an engine directory keeps "
                          "the cache length it was exported with")
     if device not in DEVICES[name]:
         raise HiggsError(f"--device {device} does not apply to --backend {name} (it takes {', '.join(DEVICES[name])})")

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from higgs_trt.runtime.decoding import (BOC, EOC, HARD_CAP_ROWS, REPEAT_GUARD_ROWS, Sampling, Utterance, apply_delay,
+from higgs_trt.runtime.decoding import (BOC, EOC, HARD_CAP_ROWS, REPEAT_GUARD_ROWS, Utterance, apply_delay,
                                         delay_mask, revert_delay, row_cap, sanitize)
 from higgs_trt.runtime.sampling import choose_row, uniform
 
