@@ -91,7 +91,8 @@ class StreamFigures:
     wall_s: float
     ttfa_ms: list  # per request
     underruns: int  # chunks that arrived after the audio before them had finished playing (first chunks excepted)
-    phases: dict | None = None  # seconds of the scheduler's loop by phase (in process only)
+    phases: dict | None = None  # seconds of the scheduler's loop by phase
+    queue_wait_ms: float | None = None  # mean time from submission to the prefill call that gave a request its slot
 
     def line(self) -> str:
         ttfa = np.array(self.ttfa_ms)
@@ -99,6 +100,8 @@ class StreamFigures:
                 f"{self.wall_s:6.2f} s = {self.audio_s / self.wall_s:7.1f} audio-s/s; first audio p50 "
                 f"{np.percentile(ttfa, 50):6.1f} ms, p95 {np.percentile(ttfa, 95):6.1f} ms, mean {ttfa.mean():6.1f} ms; "
                 f"underruns {self.underruns}")
+        if self.queue_wait_ms is not None:
+            line += f"; queue wait mean {self.queue_wait_ms:.1f} ms"
         if self.phases:
             line += "; loop " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases.items())
         return line
@@ -142,4 +145,6 @@ def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: 
             played += n
         audio += played
     ttfa = [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at]
-    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, underruns, dict(scheduler.seconds))
+    waits = [1e3 * (r.admitted_at - r.submitted_at) for r in done if r.admitted_at is not None]
+    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, underruns, dict(scheduler.seconds),
+                         float(np.mean(waits)) if waits else None)

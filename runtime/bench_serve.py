@@ -5,8 +5,9 @@ Closed-loop clients over HTTP (httpx): `concurrency` requests in flight, each fi
 decode steps. Per level: audio seconds received / wall time (audio-s/s), time to first audio from sending the
 request to the first audio byte (p50 / p95 / mean), and underruns (pieces that arrived after the audio before them
 would have finished playing, the first excepted). One warm-up request runs first. From the server's /metrics, read
-before and after each level: where its engine thread spent the level (the scheduler loop's phases) and how many
-prefill calls the joins took.
+before and after each level: where its engine thread spent the level (the scheduler loop's phases), how many
+prefill calls the joins took, and how long requests waited for a slot (submission → the prefill call that took them:
+part of their first audio).
 """
 
 import asyncio
@@ -62,13 +63,15 @@ async def _level(url: str, concurrency: int, requests: int, body) -> tuple[Strea
                          underruns), errors
 
 
-LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls)) (\S+)$', re.MULTILINE)
+LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls|queue_wait_seconds_sum|'
+                         r'queue_wait_seconds_count)) (\S+)$', re.MULTILINE)
 
 
 async def _loop_totals(client: httpx.AsyncClient) -> dict[str, float]:
-    """The server's engine-loop seconds by phase and its prefill calls, since it started."""
+    """The server's engine-loop seconds by phase, its prefill calls and its requests' queue wait (sum, count), since
+    it started."""
     text = (await client.get("/metrics")).text
-    return {phase or calls: float(value) for phase, calls, value in LOOP_METRIC.findall(text)}
+    return {phase or name: float(value) for phase, name, value in LOOP_METRIC.findall(text)}
 
 
 async def _wait_ready(url: str, wait: float, say) -> None:
@@ -108,6 +111,10 @@ def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: 
                 after = await _loop_totals(metrics)
                 figures.phases = {phase: after[phase] - before.get(phase, 0.0) for phase in after}
                 calls = figures.phases.pop("prefill_calls", None)  # None: a server without these metrics
+                waited = figures.phases.pop("queue_wait_seconds_sum", None)
+                admitted = figures.phases.pop("queue_wait_seconds_count", 0)
+                if waited is not None and admitted:
+                    figures.queue_wait_ms = 1e3 * waited / admitted
                 echo(figures.line() + (f"; {calls:.0f} prefill calls" if calls is not None else "")
                      + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
 

@@ -56,6 +56,7 @@ class Request:
     finished: bool = False
     error: str | None = None
     submitted_at: float = 0.0
+    admitted_at: float | None = None  # when the prefill call that gave it a slot began
     first_audio_at: float | None = None
     finished_at: float | None = None
 
@@ -222,6 +223,9 @@ class Scheduler:
         if not joins:
             return
         self.prefill_calls += 1
+        now = time.perf_counter()
+        for _, request in joins:
+            request.admitted_at = now
         try:
             self.engine.prefill([(slot, r.prompt, r.sampling) for slot, r in joins])
         except HiggsError as e:

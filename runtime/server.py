@@ -227,6 +227,8 @@ class Metrics:
         self.requests = Counter("higgs_requests", "Admitted requests by outcome (completed, failed, timeout, "
                                 "cancelled: the client went away)", ["outcome"], registry=r)
         self.errors = Counter("higgs_errors", "Requests refused before admission, by error code", ["code"], registry=r)
+        self.queue_wait = Histogram("higgs_queue_wait_seconds", "From admission to the prefill call that gives the "
+                                    "request a slot", buckets=TTFA_BUCKETS, registry=r)
 
         def scheduler(attribute):
             return lambda: getattr(engine.scheduler, attribute) if engine.scheduler is not None else 0
@@ -272,6 +274,8 @@ class AudioQueue:
     def done(self, request) -> None:
         outcome = "failed" if request.error else (self.stopped or "cancelled") if request.cancelled else "completed"
         self.metrics.requests.labels(outcome).inc()
+        if request.admitted_at is not None:
+            self.metrics.queue_wait.observe(request.admitted_at - request.submitted_at)
         if request.first_audio_at is not None:
             self.metrics.ttfa.observe(request.first_audio_at - request.submitted_at)
         self._put(None)

@@ -1,6 +1,7 @@
 """The main job end to end through the console script, and bad inputs: one line, exit ≠ 0, no partial files."""
 
 import json
+import re
 import subprocess
 import sys
 import wave
@@ -115,6 +116,18 @@ def test_gpu_benchmarks_without_a_gpu_are_refused_in_one_line(command):
     r = higgs("bench", command)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == f"Error: bench {command} needs torch built with CUDA and an NVIDIA GPU"
+
+
+def test_bench_stream_prints_figures_per_level(tiny_engine):
+    """Closed-loop streams per level: audio-s/s, first audio, underruns, how long requests waited for a slot, and the
+    scheduler loop's phases."""
+    r = higgs("bench", "stream", "--engine", tiny_engine, "--concurrency", "1,4", "--requests", 6, "--rows", 24)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("concurrency")]
+    assert len(lines) == 2 and all("6 requests" in line for line in lines), r.stdout
+    assert all(float(re.search(r"= +([\d.]+) audio-s/s", line)[1]) > 0 for line in lines), r.stdout
+    waits = [float(re.search(r"queue wait mean ([\d.]+) ms", line)[1]) for line in lines]
+    assert all(w >= 0 for w in waits) and "loop prefill" in lines[0], r.stdout
 
 
 def test_bench_decode_on_an_engine_with_few_slots_runs_with_the_defaults(tiny_engine):

@@ -100,6 +100,7 @@ def test_streamed_chunks_arrive_in_order_and_make_the_whole(engine, prompts):
     assert len(chunks) > 1 and np.array_equal(np.concatenate(chunks), whole.audio)
     assert len(chunks[0]) == 8 * 960  # the first chunk is 8 frames
     assert request.first_audio_at is not None and request.finished_at >= request.first_audio_at
+    assert request.submitted_at <= request.admitted_at <= request.first_audio_at
 
 
 class SeveralRows:

@@ -373,6 +373,9 @@ def test_health_models_metrics(server):
     # the warm-up request went through the loop: one prefill, decode steps
     assert m["higgs_prefill_calls"] >= 1 and m['higgs_engine_loop_seconds{phase="decode"}'] > 0
     assert m["higgs_slots"] == 4
+    waited = m.get("higgs_queue_wait_seconds_count", 0)
+    assert httpx.post(server.url + SPEECH, json=body(input=TEXT, max_new_tokens=10), timeout=60).status_code == 200
+    assert server.metrics()["higgs_queue_wait_seconds_count"] == waited + 1  # its wait for a slot
 
 
 # ---- disconnects, limits, shutdown -------------------------------------------------------------------------------
@@ -489,6 +492,7 @@ def test_bench_serve_prints_figures_per_level(server):
     # the server's engine loop over the level, from its /metrics: decode time and at least one prefill call
     assert all(float(re.search(r"loop prefill [\d.]+ s, decode ([\d.]+) s", line)[1]) > 0 for line in lines), r.output
     assert all(int(re.search(r"; (\d+) prefill calls", line)[1]) >= 1 for line in lines), r.output
+    assert all(re.search(r"; queue wait mean [\d.]+ ms", line) for line in lines), r.output
 
 
 def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
