@@ -66,6 +66,23 @@ def _reference_codes(path: Path, sources, device: str):
                    f"with the {encoder.name} encoder in {time.perf_counter() - t0:.1f} s")
 
 
+def stream_plan_options(command):
+    """The codec windows' sizes: `run` and `bench stream`."""
+    for option in reversed([
+        click.option("--first-chunk", type=int, default=8, show_default=True,
+                     help="Frames (40 ms each) in the first chunk."),
+        click.option("--chunk", type=int, default=25, show_default=True, help="Frames in each later chunk."),
+        click.option("--context", type=int,
+                     help="Frames decoded before each chunk [default: the codec's receptive field]."),
+        click.option("--holdback", type=int,
+                     help="Frames decoded after each chunk [default: the codec's receptive field]."),
+        click.option("--first-holdback", type=int, help="Low latency: a smaller holdback for the first chunk only "
+                     "(its last samples are then not exact)."),
+    ]):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.option("--text", required=True, help="Text to speak (inline style tags like <|emotion:elation|> allowed).")
 @click.option("--out", "out", type=click.Path(path_type=Path, allow_dash=True), required=True,
@@ -94,12 +111,7 @@ def _reference_codes(path: Path, sources, device: str):
 @click.option("--max-seq", type=int, default=2048, show_default=True,
               help="KV-cache length (torch backend from a checkpoint).")
 @click.option("--stream", is_flag=True, help="Write audio as it is decoded (time to first audio on stderr).")
-@click.option("--first-chunk", type=int, default=8, show_default=True, help="Frames (40 ms each) in the first chunk.")
-@click.option("--chunk", type=int, default=25, show_default=True, help="Frames in each later chunk.")
-@click.option("--context", type=int, help="Frames decoded before each chunk [default: the codec's receptive field].")
-@click.option("--holdback", type=int, help="Frames decoded after each chunk [default: the codec's receptive field].")
-@click.option("--first-holdback", type=int,
-              help="Low latency: a smaller holdback for the first chunk only (its last samples are then not exact).")
+@stream_plan_options
 @click.pass_context
 def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_codes, ref_audio, ref_text, temperature,
         top_k, top_p, seed, codes_out, max_seq, stream, first_chunk, chunk, context, holdback, first_holdback):
@@ -367,9 +379,11 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
 @click.option("--concurrency", default="1,8,64", show_default=True, help="Closed-loop clients, one figure each.")
 @click.option("--requests", type=int, default=0, help="Requests per concurrency level [default: 2 × concurrency].")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
+@stream_plan_options
 def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows,
-                 concurrency, requests, temperature):
-    """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level."""
+                 concurrency, requests, temperature, first_chunk, chunk, context, holdback, first_holdback):
+    """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
+    seams unless the window options say otherwise)."""
     from .bench import bench_stream as run_stream
     from .options import sampling, sizes, within
     from .prompt import build_prompt
@@ -378,13 +392,16 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     within("--rows", rows, 8, 2048)
     within("--requests", requests, 0, 100_000)
     settings = sampling(temperature, 0, 1.0, 0)
+    stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
                                      placeholder_scales)
+    plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
     prompt = build_prompt(tokenizer, text)
-    say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens, {rows} rows per request")
+    say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens, {rows} rows per request, "
+        f"first chunk {plan.first} frames, then {plan.chunk}")
     for c in levels:
-        run_stream(model, prompt, c, c, rows, settings)  # warm-up: the codec meets this level's window shapes first
-        click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings).line())
+        run_stream(model, prompt, c, c, rows, settings, plan)  # warm-up: the codec meets this level's windows first
+        click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings, plan).line())
 
 
 @bench.command("serve")

@@ -130,6 +130,15 @@ def test_bench_stream_prints_figures_per_level(tiny_engine):
     assert all(w >= 0 for w in waits) and "loop prefill" in lines[0], r.stdout
 
 
+def test_bench_stream_takes_the_window_sizes_of_run(tiny_engine):
+    r = higgs("bench", "stream", "--engine", tiny_engine, "--concurrency", "1", "--requests", 2, "--rows", 24,
+              "--first-chunk", 2, "--chunk", 10)
+    assert r.returncode == 0 and "first chunk 2 frames, then 10" in r.stderr, r.stderr
+    r = higgs("bench", "stream", "--engine", tiny_engine, "--first-chunk", 0)
+    assert r.returncode == 1 and r.stderr.strip().startswith("Error: stream sizes must be positive"), r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_bench_decode_on_an_engine_with_few_slots_runs_with_the_defaults(tiny_engine):
     """The default batch sizes (1, 8, 64) are for the GPU engine; a host-driven engine with 4 slots takes 4."""
     r = higgs("bench", "decode", "--engine", tiny_engine, "--rows", 8, "--repeats", 1)
