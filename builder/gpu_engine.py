@@ -353,10 +353,11 @@ class GpuEngine:
         self.prompt_h = torch.zeros(rows, h, **bf16)
         self.stage = torch.zeros(cfg.num_layers, 2, rows * hkv * d, **bf16)
         self.codec_graphs: dict = {}  # (windows, frames) → (graph, its codes input, its waveform output)
+        self.codec_pool = None  # the codec graphs' memory pool, shared: they run one after another on one stream
         if graphs and dev.type == "cuda":
             self._capture_all()
             if codec is not None:
-                self._capture_codec()
+                self.prepare_codec(StreamPlan.exact(self.codec_strides))
 
     # ---- the step ------------------------------------------------------------------------------------------------
 
@@ -455,15 +456,20 @@ class GpuEngine:
                     self.graphs["prompt", count, length] = graph
         self.caches.zero_()
 
-    def _capture_codec(self) -> None:
-        """The codec windows of the default exact plan (the first chunk's and the next chunks' lengths) as CUDA
-        graphs, one per window count of the decode buckets (a call of fewer windows pads up to the next): a window
-        of 18 frames is ~100 small kernels, 4 ms of launches when eager, and a call of 64 windows of 45 frames issued
-        eagerly kept the scheduler's loop ~12 ms from launching decode steps (the GPU idled behind it). The graphs
-        share one memory pool: they run one after another on the codec stream."""
-        plan = StreamPlan.exact(self.codec_strides)
-        lengths = {plan.first + plan.right, plan.left + plan.chunk + plan.right}
-        pool = torch.cuda.graph_pool_handle()
+    # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def prepare_codec(self, plan: StreamPlan) -> None:
+        """The codec windows of `plan` (StreamPlan.window_lengths: the first ones' and the middle ones', whose
+        length the last one takes too) as CUDA graphs, one per window count of the decode buckets (a call of fewer
+        windows pads up to the next), captured when a scheduler starts, for lengths not captured yet: a window of 18
+        frames is ~100 small kernels, 4 ms of launches when eager, and a call of 64 windows of 45 frames issued
+        eagerly kept the scheduler's loop ~12 ms from launching decode steps (the GPU idled behind it)."""
+        if self.codec_model is None or self.codec_stream is None or not self.graphs:
+            return
+        lengths = set(plan.window_lengths()) - {frames for _, frames in self.codec_graphs}
+        if self.codec_pool is None:
+            self.codec_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(self.codec_stream):
             for frames in sorted(lengths):
                 for n in self.buckets:
@@ -471,11 +477,9 @@ class GpuEngine:
                                         device=self.device)
                     self.codec_model(codes)  # warm-up outside capture (cuDNN picks its algorithms)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=self.codec_stream, pool=pool):
+                    with torch.cuda.graph(graph, stream=self.codec_stream, pool=self.codec_pool):
                         wave = self.codec_model(codes)
                     self.codec_graphs[n, frames] = (graph, codes, wave)
-
-    # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, joins: list[tuple[int, Prompt, Sampling]]) -> None:

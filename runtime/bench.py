@@ -44,6 +44,9 @@ class TimedEngine:
     def busy(self):
         return self.inner.busy()
 
+    def prepare_codec(self, plan):
+        self.inner.prepare_codec(plan)
+
 
 @dataclass
 class Figures:

@@ -105,6 +105,7 @@ class Scheduler:
         freeze_heap()
         self.engine = engine
         self.plan = plan or StreamPlan.exact(engine.codec_strides)
+        engine.prepare_codec(self.plan)  # e.g. the GPU engine captures the plan's codec windows, before any request
         self.max_queue = max_queue
         self.prefill_rows = prefill_rows
         self.slots: list[Request | None] = [None] * engine.max_batch

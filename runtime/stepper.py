@@ -1,10 +1,11 @@
 """The slot contract over an engine graph that is called from the host (ONNX Runtime, TensorRT, the torch reference).
 
-The scheduler (runtime/scheduler.py) drives every backend through the same six calls: `prefill(joins)` (a list of
+The scheduler (runtime/scheduler.py) drives every backend through the same seven calls: `prefill(joins)` (a list of
 (slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n)`, `rows(keep)`,
 `release(slot)`, `codec(codes)` (a handle: `ready()`, and `result()` the audio, so that an engine may decode audio
-while it decodes rows; host-driven ones return it done, as `Decoded`) and `busy()` (a launched step still runs:
-never, for a host-driven engine). The GPU engine (builder/gpu_engine.py) keeps
+while it decodes rows; host-driven ones return it done, as `Decoded`), `busy()` (a launched step still runs:
+never, for a host-driven engine) and `prepare_codec(plan)` (once per scheduler, before any request: the GPU engine
+captures the plan's codec windows). The GPU engine (builder/gpu_engine.py) keeps
 each slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
@@ -79,6 +80,9 @@ class HostStepper:
 
     def busy(self) -> bool:
         return False
+
+    def prepare_codec(self, plan) -> None:
+        """Nothing to prepare: the codec graph takes any window length."""
 
     def codec(self, codes: np.ndarray) -> "Decoded":
         return Decoded(self.backend.codec(codes))

@@ -92,6 +92,17 @@ class StreamPlan:
         left, right = receptive_field(strides)
         return cls(left, right, first, chunk)
 
+    def window_lengths(self) -> list[int]:
+        """The lengths of an utterance's windows once it is longer than the first few: the first chunks' (the
+        second one's too while the first is shorter than `left`) and the middle windows', which the last one takes."""
+        frames = self.first + 3 * self.chunk + self.left + self.right
+        lengths, emitted = set(), 0
+        for ready in range(1, frames + 1):
+            while window := self.next_window(emitted, ready, final=ready == frames):
+                lengths.add(window.stop - window.start)
+                emitted = window.emit_to
+        return sorted(lengths)
+
     def next_window(self, emitted: int, ready: int, final: bool) -> Window | None:
         """The next window once `ready` frames are fixed (`final`: no more will come), or None if not yet."""
         size = self.first if emitted == 0 else self.chunk

@@ -304,3 +304,17 @@ def test_joins_at_any_slot_compile_nothing(tiny):
         engine.prefill([(s, p, Sampling(0.8, seed=s)) for s in slots])
     torch.cuda.synchronize()
     assert compiled() == before
+
+
+def test_codec_graphs_cover_every_window_of_the_plan(tiny):
+    """The default plan's first, second (8 + 25 + 10 frames: it starts at frame 0) and middle windows are replays;
+    a scheduler with another plan captures that plan's windows when it starts."""
+    from higgs_trt.runtime.scheduler import Scheduler
+    from higgs_trt.runtime.streaming import StreamPlan
+
+    engine = open_engine(tiny)
+    lengths = {frames for _, frames in engine.codec_graphs}
+    assert lengths == {18, 43, 45}
+    Scheduler(engine, StreamPlan.exact(engine.codec_strides, first=2))
+    assert {frames for _, frames in engine.codec_graphs} == {12, 18, 37, 43, 45}
+    assert {n for n, frames in engine.codec_graphs if frames == 12} == set(engine.buckets)

@@ -83,6 +83,25 @@ def test_joins_come_in_one_prefill_call_bounded_while_others_decode(engine, prom
     assert all(r.finished for r in first + later)
 
 
+def test_a_scheduler_prepares_the_engines_codec_for_its_plan_before_any_request(engine):
+    from higgs_trt.runtime.streaming import StreamPlan
+
+    plans = []
+
+    class Recording:  # the engine, noting the plans it is asked to prepare for
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def prepare_codec(self, plan):
+            plans.append(plan)
+
+    plan = StreamPlan.exact(engine.codec_strides, first=2)
+    scheduler = Scheduler(Recording(), plan)
+    assert plans == [plan] and not scheduler.queue
+    Scheduler(Recording())
+    assert plans[1] == StreamPlan.exact(engine.codec_strides)
+
+
 def test_the_admission_queue_is_bounded(engine, prompts):
     scheduler = Scheduler(engine, max_queue=2)
     for _ in range(2):

@@ -76,6 +76,15 @@ def test_every_window_after_the_first_has_one_length(length):
     assert emitted == length and windows[-1].stop == length
     assert all(w.stop - w.start == min(full, w.stop) for w in windows[1:])
     assert all(a.emit_to == b.emit_from for a, b in zip(windows, windows[1:]))
+    if length >= full:  # the lengths the GPU engine captures cover every window
+        assert {w.stop - w.start for w in windows} <= set(plan.window_lengths())
+
+
+def test_window_lengths_name_the_first_windows_and_the_middle_ones():
+    """The second window starts at frame 0 while the first chunk is shorter than the left context: 8 + 25 + 10."""
+    assert StreamPlan.exact((8, 5, 4, 2, 3)).window_lengths() == [18, 43, 45]
+    assert StreamPlan.exact((8, 5, 4, 2, 3), first=2).window_lengths() == [12, 37, 45]
+    assert StreamPlan(10, 10, first=12, first_right=4).window_lengths() == [16, 45]
 
 
 def test_an_utterance_ending_by_eoc_in_its_first_rows_streams_what_it_has(codec):
