@@ -151,11 +151,11 @@ def open_engine(ckpt_dir, max_batch=8, amax=None):
 
 
 def test_captured_codec_windows_equal_the_eager_codec(tiny):
-    """The engine replays a CUDA graph per window count bucket for the default plan's lengths: the same audio as
-    the eager codec, for fresh codes at each call (the graph reads its input buffer, not the codes it was captured
-    with), and for a count padded up to its bucket (3 windows in the graph of 4)."""
+    """The engine replays a CUDA graph per window count bucket for the default plan's three lengths: the same audio
+    as the eager codec, for fresh codes at each call (the graph reads its input buffer, not the codes it was
+    captured with), and for a count padded up to its bucket (3 windows in the graph of 4)."""
     engine = open_engine(tiny, max_batch=4)
-    assert len(engine.codec_graphs) == 2 * len(engine.buckets) == 6
+    assert len(engine.codec_graphs) == 3 * len(engine.buckets) == 9
     rng = np.random.default_rng(0)
     for windows, frames in list(engine.codec_graphs) * 2 + [(3, f) for f in sorted({f for _, f in engine.codec_graphs})]:
         codes = rng.integers(0, 1024, (windows, engine.codec_model.dims.num_quantizers, frames))
