@@ -63,6 +63,9 @@ def bench_kernels():
 
 
 
+FP8_OPTIONS = {"bf16": (False,), "fp8": (True,), "both": (False, True)}  # --precision → the GPU benchmarks' fp8 flags
+
+
 @click.command("linear")
 @click.option("--budget", type=float, default=300.0, show_default=True, help="Seconds to spend trying tile shapes.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True,
@@ -82,7 +85,7 @@ def bench_linear(budget, precision, tiles):
         from higgs_trt.builder.gpu_bench import (sweep_linear, sweep_persistent, sweep_prefill, sweep_ranges,
                                                    sweep_wide)
     extras.require_cuda("bench linear")
-    fp8_options = {"bf16": (False,), "fp8": (True,), "both": (False, True)}[precision]
+    fp8_options = FP8_OPTIONS[precision]
     sweeps = {"narrow": ("narrow tiles (M = 1 to 16)", sweep_linear),
               "wide": ("wide tiles (M = 17 to 64)", sweep_wide),
               "persistent": ("persistent programs (M = 1 to 16)", sweep_persistent),
@@ -122,7 +125,7 @@ def bench_profile(precision, batches, context):
         from higgs_trt.builder.config import HIGGS_V3
         from higgs_trt.builder.gpu_profile import profile_step
     extras.require_cuda("bench profile")
-    fp8_options = {"bf16": (False,), "fp8": (True,), "both": (False, True)}[precision]
+    fp8_options = FP8_OPTIONS[precision]
     profile_step(HIGGS_V3, tuple(batch_sizes), fp8_options, context, say=click.echo)
 
 
