@@ -462,9 +462,10 @@ class GpuEngine:
     def prepare_codec(self, plan: StreamPlan) -> None:
         """The codec windows of `plan` (StreamPlan.window_lengths: the first ones' and the middle ones', whose
         length the last one takes too) as CUDA graphs, one per window count of the decode buckets (a call of fewer
-        windows pads up to the next), captured when a scheduler starts, for lengths not captured yet: a window of 18
-        frames is ~100 small kernels, 4 ms of launches when eager, and a call of 64 windows of 45 frames issued
-        eagerly kept the scheduler's loop ~12 ms from launching decode steps (the GPU idled behind it)."""
+        windows pads up to the next), for lengths not captured yet: the default plan's at start-up, another plan's
+        when a scheduler with it starts. A window of 18 frames is ~100 small kernels, 4 ms of launches when eager,
+        and a call of 64 windows of 45 frames issued eagerly kept the scheduler's loop ~12 ms from launching decode
+        steps (the GPU idled behind it)."""
         if self.codec_model is None or self.codec_stream is None or not self.graphs:
             return
         lengths = set(plan.window_lengths()) - {frames for _, frames in self.codec_graphs}
