@@ -3,7 +3,7 @@
 One loop, shared by every backend (the slot contract: runtime/stepper.py, builder/gpu_engine.py):
 
   admit    queued requests take free slots: one prefill call for those who join (the engine may batch them; while
-           others decode, at most prefill_rows prompt rows a step), which also chooses each request's row 0
+           others play audio, at most prefill_rows prompt rows a step), which also chooses each request's row 0
   step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot); when nobody
            waits to join or for a first chunk, the engine may decode several rows in one launch (MULTI_ROWS)
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
@@ -204,13 +204,15 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Queued requests take free slots, in one prefill call (a failed call fails them all: lengths were checked
-        at submission, so it means the engine failed). While other requests decode, one call takes at most
+        at submission, so it means the engine failed). While a request's audio plays, one call takes at most
         prefill_rows prompt rows (and at least one prompt): a burst of joins then pauses the streams already
-        playing for one bounded prefill per step, not for all of them at once."""
+        playing for one bounded prefill per step, not for all of them at once. Before any plays (a wave of joins
+        arriving over a few steps) there is nothing to underrun: whoever waits joins at once, in fewer calls."""
         joins = []
         with self.lock:
             free = [s for s, r in enumerate(self.slots) if r is None]
-            budget = self.prefill_rows if len(free) < len(self.slots) else None
+            playing = any(self.slots[s].emitted for s in self.occupied)
+            budget = self.prefill_rows if playing else None
             rows = 0
             while self.queue and len(joins) < len(free):
                 request = self.queue[0]

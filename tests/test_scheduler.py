@@ -60,9 +60,7 @@ def test_cancellation_frees_the_slot_within_one_step(engine, prompts):
     assert not queued.step() and waiting.finished
 
 
-def test_joins_come_in_one_prefill_call_bounded_while_others_decode(engine, prompts):
-    calls = []
-
+def _recording_prefills(engine, calls):
     class Recording:  # the engine, noting each prefill call's joins
         def __getattr__(self, name):
             return getattr(engine, name)
@@ -71,16 +69,36 @@ def test_joins_come_in_one_prefill_call_bounded_while_others_decode(engine, prom
             calls.append([len(prompt) for _, prompt, _ in joins])
             return engine.prefill(joins)
 
+    return Recording()
+
+
+def test_joins_come_in_one_prefill_call_bounded_while_others_play(engine, prompts):
+    calls = []
     budget = len(prompts[0]) + len(prompts[1])
-    scheduler = Scheduler(Recording(), prefill_rows=budget)
-    first = [scheduler.submit(request_for(engine, p, Sampling(), hard_cap=40)) for p in prompts[:2]]
+    scheduler = Scheduler(_recording_prefills(engine, calls), prefill_rows=budget)
+    first = [scheduler.submit(request_for(engine, p, Sampling(), hard_cap=60)) for p in prompts[:2]]
     scheduler.step()
     assert calls == [[len(p) for p in prompts[:2]]]  # nothing decoding: every join at once
+    while not any(r.emitted for r in first):
+        scheduler.step()
     later = [scheduler.submit(request_for(engine, p, Sampling(), hard_cap=40)) for p in prompts[1:3]]
     scheduler.run()
     assert all(sum(c) <= budget or len(c) == 1 for c in calls[1:]) and sum(map(len, calls)) == 4, calls
     assert len(calls) == 3  # the two later joins exceed the budget together, so they join on two steps
     assert all(r.finished for r in first + later)
+
+
+def test_joins_before_any_audio_plays_are_not_bounded(engine, prompts):
+    calls = []
+    scheduler = Scheduler(_recording_prefills(engine, calls), prefill_rows=1)
+    first = scheduler.submit(request_for(engine, prompts[0], Sampling(), hard_cap=40))
+    scheduler.step()
+    assert first.emitted == 0  # decoding, nothing played yet
+    later = [scheduler.submit(request_for(engine, p, Sampling(), hard_cap=40)) for p in prompts[1:3]]
+    scheduler.step()
+    assert calls == [[len(prompts[0])], [len(p) for p in prompts[1:3]]]  # both at once, over the 1-row budget
+    scheduler.run()
+    assert all(r.finished for r in [first] + later)
 
 
 def test_a_scheduler_prepares_the_engines_codec_for_its_plan_before_any_request(engine):
