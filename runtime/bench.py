@@ -2,6 +2,7 @@
 loop's own host overhead per row. The GPU engine has its own, device-timed benchmark (builder/gpu_bench.py)."""
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,8 @@ class StreamFigures:
     underruns: int  # chunks that arrived after the audio before them had finished playing (first chunks excepted)
     phases: dict | None = None  # seconds of the scheduler's loop by phase
     queue_wait_ms: float | None = None  # mean time from submission to the prefill call that gave a request its slot
+    codec_calls: int = 0
+    codec_windows: int = 0
 
     def line(self) -> str:
         ttfa = np.array(self.ttfa_ms)
@@ -107,14 +110,18 @@ class StreamFigures:
             line += f"; queue wait mean {self.queue_wait_ms:.1f} ms"
         if self.phases:
             line += "; loop " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases.items())
+        if self.codec_calls:
+            line += f"; {self.codec_calls} codec calls of {self.codec_windows / self.codec_calls:.1f} windows"
         return line
 
 
 def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: int, sampling: Sampling,
-                 plan=None) -> StreamFigures:
+                 plan=None, stagger: bool = False) -> StreamFigures:
     """Closed-loop clients: `concurrency` requests in flight, each finished one replaced by a new one, until
     `requests` have finished. Every request decodes exactly `rows` rows (random weights repeat rows and emit EOC at
-    random: the stop rules are off here, so every level does the same work)."""
+    random: the stop rules are off here, so every level does the same work). All clients start at once, so their
+    requests end and join together; with `stagger` client i starts after about i·rows/concurrency loop steps, so
+    that requests end and join at different steps, as served traffic does."""
     from .scheduler import Scheduler, request_for
 
     scheduler = Scheduler(engine, plan)
@@ -133,10 +140,17 @@ def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: 
         if submitted[0] < requests:
             submit()
 
+    clients = min(concurrency, requests)
+    starts = deque(i * rows // clients if stagger else 0 for i in range(clients))  # loop step of each first request
     t0 = time.perf_counter()
-    for _ in range(min(concurrency, requests)):
-        submit()
-    scheduler.run()
+    steps = 0
+    while True:
+        while starts and starts[0] <= steps:
+            starts.popleft()
+            submit()
+        if not scheduler.step() and not starts:
+            break
+        steps += 1
     wall = time.perf_counter() - t0
     underruns, audio = 0, 0
     for r in done:
@@ -150,4 +164,4 @@ def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: 
     ttfa = [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at]
     waits = [1e3 * (r.admitted_at - r.submitted_at) for r in done if r.admitted_at is not None]
     return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, underruns, dict(scheduler.seconds),
-                         float(np.mean(waits)) if waits else None)
+                         float(np.mean(waits)) if waits else None, scheduler.codec_calls, scheduler.codec_windows)

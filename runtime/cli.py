@@ -379,9 +379,12 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
 @click.option("--concurrency", default="1,8,64", show_default=True, help="Closed-loop clients, one figure each.")
 @click.option("--requests", type=int, default=0, help="Requests per concurrency level [default: 2 × concurrency].")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--stagger", is_flag=True,
+              help="Start the clients one after another over one request's rows, so that requests end and join at "
+                   "different steps, as served traffic does [default: all at once].")
 @stream_plan_options
 def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows,
-                 concurrency, requests, temperature, first_chunk, chunk, context, holdback, first_holdback):
+                 concurrency, requests, temperature, stagger, first_chunk, chunk, context, holdback, first_holdback):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
     seams unless the window options say otherwise)."""
     from .bench import bench_stream as run_stream
@@ -398,10 +401,10 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
     prompt = build_prompt(tokenizer, text)
     say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens, {rows} rows per request, "
-        f"first chunk {plan.first} frames, then {plan.chunk}")
+        f"first chunk {plan.first} frames, then {plan.chunk}{'; clients staggered' if stagger else ''}")
     for c in levels:
-        run_stream(model, prompt, c, c, rows, settings, plan)  # warm-up: the codec meets this level's windows first
-        click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings, plan).line())
+        run_stream(model, prompt, c, c, rows, settings, plan, stagger)  # warm-up: the codec meets this level's windows
+        click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings, plan, stagger).line())
 
 
 @bench.command("serve")

@@ -115,6 +115,8 @@ class Scheduler:
         self.urgent = True  # a request has not had its first chunk yet: one row per step
         self.seconds = dict.fromkeys(("prefill", "decode", "codec", "other"), 0.0)  # the loop's time by phase
         self.prefill_calls = 0
+        self.codec_calls = 0
+        self.codec_windows = 0
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
 
@@ -261,6 +263,8 @@ class Scheduler:
         for group in by_length.values():
             codes = np.stack([windows[i][0].utterance.frames(windows[i][1].start, windows[i][1].stop).T for i in group])
             calls.append((group, self.engine.codec(codes)))
+        self.codec_calls += len(calls)
+        self.codec_windows += len(windows)
         self.decoding.append((windows, calls))
 
     def _collect(self, wait: bool) -> None:

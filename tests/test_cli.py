@@ -130,6 +130,17 @@ def test_bench_stream_prints_figures_per_level(tiny_engine):
     assert all(w >= 0 for w in waits) and "loop prefill" in lines[0], r.stdout
 
 
+def test_bench_stream_staggers_its_clients_on_request(tiny_engine):
+    """All at once, four clients' windows fall due on the same steps (one codec call takes four); staggered, their
+    requests join and end at different steps (a call takes one)."""
+    def windows_per_call(*flags):
+        r = higgs("bench", "stream", "--engine", tiny_engine, "--concurrency", "4", "--requests", 4, "--rows", 40, *flags)
+        assert r.returncode == 0, r.stderr
+        return float(re.search(r"codec calls of ([\d.]+) windows", r.stdout)[1])
+
+    assert windows_per_call() == 4.0 and windows_per_call("--stagger") == 1.0
+
+
 def test_bench_stream_takes_the_window_sizes_of_run(tiny_engine):
     r = higgs("bench", "stream", "--engine", tiny_engine, "--concurrency", "1", "--requests", 2, "--rows", 24,
               "--first-chunk", 2, "--chunk", 10)
