@@ -280,3 +280,44 @@ def test_the_loop_starts_with_the_heap_kept_out_of_full_collections(engine):
     after = ["made in the loop"]
     tracked = gc.get_objects()
     assert not any(o is before for o in tracked) and any(o is after for o in tracked)
+
+
+def test_later_windows_wait_for_others_to_share_a_codec_call_first_and_last_ones_never(engine, prompts, monkeypatch):
+    """Two requests joined 5 steps apart: without holding, each codec call takes one request's window; held up to 8
+    steps, their middle windows share calls. First chunks go on the step they fall due either way, the last windows
+    on the step their request ends, and every request's audio is the same."""
+    import higgs_trt.runtime.scheduler as scheduler_module
+
+    def run(hold_steps):
+        monkeypatch.setattr(scheduler_module, "CODEC_HOLD_STEPS", hold_steps)
+        calls = []
+
+        class Recording(Scheduler):  # notes each step's windows sent to the codec: (step, request index, emit_from)
+            def _decode(self, windows):
+                calls.append([(self.steps, requests.index(r), w.emit_from, r.utterance.done) for r, w in windows])
+                super()._decode(windows)
+
+        def request(prompt):
+            r = request_for(engine, prompt, Sampling(), hard_cap=120)
+            r.fixed_rows = True  # 120 rows each: middle windows of both while both decode
+            return scheduler.submit(r)
+
+        scheduler = Recording(engine)
+        requests = [request(prompts[0])]
+        for _ in range(5):
+            scheduler.step()
+        requests.append(request(prompts[1]))
+        scheduler.run()
+        calls = [c for c in calls if c]
+        firsts = sorted((step, i) for c in calls for step, i, start, _ in c if start == 0)
+        lasts = sorted((step, i) for c in calls for step, i, _, done in c if done)
+        return calls, firsts, lasts, [r.audio() for r in requests]
+
+    eager, eager_firsts, eager_lasts, eager_audio = run(0)
+    held, held_firsts, held_lasts, held_audio = run(8)
+    assert all(len({i for _, i, _, _ in c}) == 1 for c in eager)  # 5 steps apart: never due together
+    assert any(len({i for _, i, _, _ in c}) == 2 for c in held) and len(held) < len(eager)
+    assert held_firsts == eager_firsts and len(held_firsts) == 2
+    assert {i: step for step, i in held_lasts} == {i: step for step, i in eager_lasts}
+    for a, b in zip(eager_audio, held_audio):
+        assert len(a) > 0 and np.allclose(a, b, rtol=0, atol=1e-5)
