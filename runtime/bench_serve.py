@@ -63,13 +63,13 @@ async def _level(url: str, concurrency: int, requests: int, body) -> tuple[Strea
                          underruns), errors
 
 
-LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls|queue_wait_seconds_sum|'
-                         r'queue_wait_seconds_count)) (\S+)$', re.MULTILINE)
+LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls|codec_calls|codec_windows|'
+                         r'queue_wait_seconds_sum|queue_wait_seconds_count)) (\S+)$', re.MULTILINE)
 
 
 async def _loop_totals(client: httpx.AsyncClient) -> dict[str, float]:
-    """The server's engine-loop seconds by phase, its prefill calls and its requests' queue wait (sum, count), since
-    it started."""
+    """The server's engine-loop seconds by phase, its prefill and codec calls (and windows) and its requests' queue
+    wait (sum, count), since it started."""
     text = (await client.get("/metrics")).text
     return {phase or name: float(value) for phase, name, value in LOOP_METRIC.findall(text)}
 
@@ -113,6 +113,8 @@ def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: 
                 calls = figures.phases.pop("prefill_calls", None)  # None: a server without these metrics
                 waited = figures.phases.pop("queue_wait_seconds_sum", None)
                 admitted = figures.phases.pop("queue_wait_seconds_count", 0)
+                figures.codec_calls = int(figures.phases.pop("codec_calls", 0))
+                figures.codec_windows = int(figures.phases.pop("codec_windows", 0))
                 if waited is not None and admitted:
                     figures.queue_wait_ms = 1e3 * waited / admitted
                 echo(figures.line() + (f"; {calls:.0f} prefill calls" if calls is not None else "")

@@ -247,6 +247,10 @@ class Metrics:
                 lambda p=phase: engine.scheduler.seconds[p] if engine.scheduler is not None else 0.0)
         Gauge("higgs_prefill_calls", "Prefill calls since start (each one or more joining requests)",
               registry=r).set_function(scheduler("prefill_calls"))
+        Gauge("higgs_codec_calls", "Codec calls since start (each one or more windows of one length)",
+              registry=r).set_function(scheduler("codec_calls"))
+        Gauge("higgs_codec_windows", "Codec windows decoded since start", registry=r).set_function(
+            scheduler("codec_windows"))
 
 
 # ---- one request's audio, from the engine thread to the response body ------------------------------------------

@@ -489,9 +489,10 @@ def test_bench_serve_prints_figures_per_level(server):
     lines = [line for line in r.output.splitlines() if line.startswith("concurrency")]
     assert len(lines) == 2 and all("3 requests" in line and "failed" not in line for line in lines), r.output
     assert all(float(re.search(r"= +([\d.]+) audio-s/s", line)[1]) > 0 for line in lines)
-    # the server's engine loop over the level, from its /metrics: decode time and at least one prefill call
+    # the server's engine loop over the level, from its /metrics: decode time, at least one prefill and codec call
     assert all(float(re.search(r"loop prefill [\d.]+ s, decode ([\d.]+) s", line)[1]) > 0 for line in lines), r.output
     assert all(int(re.search(r"; (\d+) prefill calls", line)[1]) >= 1 for line in lines), r.output
+    assert all(int(re.search(r"; (\d+) codec calls of [\d.]+ windows", line)[1]) >= 1 for line in lines), r.output
     assert all(re.search(r"; queue wait mean [\d.]+ ms", line) for line in lines), r.output
 
 
