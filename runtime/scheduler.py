@@ -9,10 +9,9 @@ One loop, shared by every backend (the slot contract: runtime/stepper.py, builde
   collect  rows the engine has finished (one step late on the GPU engine) â†’ each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
   audio    codec windows that became decodable (runtime/streaming.py), windows of equal length decoded in one call;
-           a later chunk's window may wait a few steps for others to share its call (first chunks and the last
-           windows never wait); an engine may decode them while the next steps run (the GPU engine's codec
-           stream): a step's audio goes out, in window order, once all of it is ready; a first chunk is waited
-           for while the engine still runs a step (time to first audio without idling the GPU)
+           an engine may decode them while the next steps run (the GPU engine's codec stream): a step's audio goes
+           out, in window order, once all of it is ready; a first chunk is waited for while the engine still
+           runs a step (time to first audio without idling the GPU)
 
 A request's codes depend only on its prompt, sampling and seed (batch-invariant kernels, per-request uniforms), so
 it decodes the same alone or joining a batch mid-flight. `submit` and `cancel` may be called from other threads.
@@ -87,11 +86,6 @@ PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (â‰
 # builder/gpu_engine.STEP_ROWS, one on host-driven engines).
 MULTI_ROWS = 4
 AUDIO_POLL_S = 0.0002  # how often a first chunk's codec call is polled while the engine runs a step
-# A later chunk's window may wait this many loop steps for other requests' windows to share its codec call (a chunk
-# is due 25 rows after the one before, whose second of audio still plays; at 64 rows 8 steps are ~30 ms). Streams
-# that join and end at different steps make windows fall due a few at a time, and one call per step beside the
-# decode steps costs the codec stream about what a call of many windows does.
-CODEC_HOLD_STEPS = 8
 
 
 def freeze_heap() -> None:
@@ -118,9 +112,6 @@ class Scheduler:
         self.occupied: list[int] = []  # the slots holding a request, ascending (kept, not scanned: host time per row)
         self.queue: deque[Request] = deque()
         self.decoding: deque[tuple[list, list]] = deque()  # a step's (windows, codec calls) whose audio is not out
-        self.held: list = []  # (request, window) due but waiting for others to share a codec call
-        self.held_since = 0  # the loop step the oldest held window fell due
-        self.steps = 0
         self.urgent = True  # a request has not had its first chunk yet: one row per step
         self.seconds = dict.fromkeys(("prefill", "decode", "codec", "other"), 0.0)  # the loop's time by phase
         self.prefill_calls = 0
@@ -164,7 +155,6 @@ class Scheduler:
         self.slots = [None] * len(self.slots)
         self.occupied = []
         self.decoding.clear()
-        self.held.clear()
         for request in requests:
             if not request.cancelled:
                 request.error = request.error or error
@@ -203,9 +193,8 @@ class Scheduler:
         if freed:
             self.occupied = [s for s in busy if self.slots[s] is not None]
         t3 = time.perf_counter()
-        self.steps += 1
-        if windows or self.held:
-            self._decode(self._now(windows))
+        if windows:
+            self._decode(windows)
         self._collect(wait=not self.occupied and not self.queue)
         t4 = time.perf_counter()
         if self.urgent:  # set by each join; still, after this step's chunks?
@@ -213,7 +202,7 @@ class Scheduler:
         for phase, seconds in zip(self.seconds, (t1 - t0, t2 - t1, t4 - t3, t3 - t2 + time.perf_counter() - t4)):
             self.seconds[phase] += seconds
         with self.lock:
-            return bool(self.queue) or bool(self.occupied) or bool(self.decoding) or bool(self.held)
+            return bool(self.queue) or bool(self.occupied) or bool(self.decoding)
 
     def _admit(self) -> None:
         """Queued requests take free slots, in one prefill call (a failed call fails them all: lengths were checked
@@ -265,26 +254,8 @@ class Scheduler:
             self._finish(request)
         return out
 
-    def _now(self, windows: list) -> list:
-        """The windows to decode this step, in order, of those due and those held: a first chunk and every window of
-        a finished request at once (with its held ones before them); the others once the oldest has been held for
-        CODEC_HOLD_STEPS steps (all of them then), or at once when at most one request decodes (no one to share a
-        call with)."""
-        if not self.held:
-            self.held_since = self.steps
-        self.held = [(r, w) for r, w in self.held + windows if not r.finished]
-        if len(self.occupied) <= 1 or self.steps - self.held_since >= CODEC_HOLD_STEPS:
-            now, self.held = self.held, []
-            return now
-        urgent = {id(r) for r, w in self.held if w.emit_from == 0 or r.utterance.done}
-        now = [(r, w) for r, w in self.held if id(r) in urgent]
-        self.held = [(r, w) for r, w in self.held if id(r) not in urgent]
-        return now
-
     def _decode(self, windows: list) -> None:
         """Start decoding the windows: one codec call per window length."""
-        if not windows:
-            return
         by_length: dict[int, list] = {}
         for i, (request, window) in enumerate(windows):
             by_length.setdefault(window.stop - window.start, []).append(i)
