@@ -491,6 +491,7 @@ class StepFigures:
         return self.batch / (self.step_ms * 1e-3 * 25)
 
 
+STREAM_RUNS = 5  # bench decode's lone-stream runs (after a warm-up), reported by their medians
 BACK_TO_BACK = 8  # steps timed in a row (attention then reads `context` to `context` + 7 positions)
 
 
@@ -567,8 +568,9 @@ def bench_decode(engine: GpuEngine, prompt, batches=(1, 8, 64), rows: int = 250,
     # one stream through the scheduler, greedy then sampled: TTFA and host time per row
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
         scheduler = Scheduler(engine)
-        for _ in range(2):  # the first run warms the prefill's kernels
-            engine.waited, engine.prefill_seconds = 0.0, 0.0
+        runs = []
+        for _ in range(1 + STREAM_RUNS):  # the first run warms the prefill's kernels
+            engine.waited, engine.prefill_seconds, scheduler.polled = 0.0, 0.0, 0.0
             engine.codec_seconds.clear()
             request = request_for(engine, prompt, sampling, hard_cap=rows)
             request.fixed_rows = True
@@ -576,13 +578,19 @@ def bench_decode(engine: GpuEngine, prompt, batches=(1, 8, 64), rows: int = 250,
             t0 = time.perf_counter()
             scheduler.run()
             wall = time.perf_counter() - t0
-        n = len(request.utterance.rows)
-        codec = sum(engine.codec_seconds)
-        host = (wall - engine.waited - codec - engine.prefill_seconds) / n
+            n = len(request.utterance.rows)
+            codec = sum(engine.codec_seconds)
+            # the host's own work: neither waiting for the GPU (a step, or a first chunk's codec call while a step
+            # runs) nor issuing the prefill and codec calls
+            host = (wall - engine.waited - scheduler.polled - codec - engine.prefill_seconds) / n
+            runs.append((host, 1e3 * (request.first_audio_at - request.submitted_at), wall, engine.prefill_seconds,
+                         codec))
+        host, ttfa, wall, prefill, codec = (float(np.median(v)) for v in zip(*runs[1:]))
+        hosts = [r[0] for r in runs[1:]]
         say(f"  1 stream {'greedy' if sampling.greedy else 'T=1':<7} {n} rows in {wall * 1e3:7.1f} ms: "
-            f"first audio {1e3 * (request.first_audio_at - request.submitted_at):6.1f} ms (prefill issued in "
-            f"{1e3 * engine.prefill_seconds:.1f} ms), host {1e6 * host:5.1f} µs/row, codec calls issued in "
-            f"{1e3 * codec:.1f} ms")
+            f"first audio {ttfa:6.1f} ms (prefill issued in {1e3 * prefill:.1f} ms), host {1e6 * host:5.1f} µs/row "
+            f"({1e6 * min(hosts):.1f}–{1e6 * max(hosts):.1f}), codec calls issued in {1e3 * codec:.1f} ms "
+            f"(medians of {STREAM_RUNS} runs)")
     for b in batches:
         if b > engine.max_batch:
             continue

@@ -115,6 +115,7 @@ class Scheduler:
         self.urgent = True  # a request has not had its first chunk yet: one row per step
         self.seconds = dict.fromkeys(("prefill", "decode", "codec", "other"), 0.0)  # the loop's time by phase
         self.prefill_calls = 0
+        self.polled = 0.0  # seconds the loop slept on a first chunk's codec call while the engine ran a step
         self.codec_calls = 0
         self.codec_windows = 0
         self.lock = threading.Lock()
@@ -298,7 +299,9 @@ class Scheduler:
         while not all(call.ready() for _, call in calls):
             if not (while_busy and self.engine.busy()):
                 return False
+            t0 = time.perf_counter()
             time.sleep(AUDIO_POLL_S)
+            self.polled += time.perf_counter() - t0
         return True
 
     def _deliver(self, request: Request, chunk: np.ndarray) -> None:
