@@ -52,7 +52,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Rows one replay may decode, per batch bucket, when the scheduler allows it (nobody waiting to join or for a first
 # chunk): the host's work per launch spread over several rows. A lone stream only, where that work is the most per row
 # and a join waits for the fewest slots.
-STEP_ROWS = {1: 8}
+STEP_ROWS = {1: 4}
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured prefills (counts: BUCKETS)
 PREFILL_PROMPTS = 4  # a prefill pass holds the rows of this many longest prompts (more when they are shorter)
 # decode attention: keys per program (a row's split depends only on its own length), per block, warps

@@ -84,7 +84,7 @@ PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (â‰
 # Rows one engine step may decode while no request waits to join or for its first chunk: the host's work per launch
 # is spread over them; a join or a cancel then waits for up to that many rows (the engine decides how many it does:
 # builder/gpu_engine.STEP_ROWS, one on host-driven engines).
-MULTI_ROWS = 8
+MULTI_ROWS = 4
 AUDIO_POLL_S = 0.0002  # how often a first chunk's codec call is polled while the engine runs a step
 
 
