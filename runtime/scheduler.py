@@ -86,6 +86,7 @@ PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (â‰
 # builder/gpu_engine.STEP_ROWS, one on host-driven engines).
 MULTI_ROWS = 4
 AUDIO_POLL_S = 0.0002  # how often a first chunk's codec call is polled while the engine runs a step
+PHASES = ("prefill", "decode", "codec", "other")  # of the loop's time (Scheduler.seconds)
 
 
 def freeze_heap() -> None:
@@ -113,7 +114,7 @@ class Scheduler:
         self.queue: deque[Request] = deque()
         self.decoding: deque[tuple[list, list]] = deque()  # a step's (windows, codec calls) whose audio is not out
         self.urgent = True  # a request has not had its first chunk yet: one row per step
-        self.seconds = dict.fromkeys(("prefill", "decode", "codec", "other"), 0.0)  # the loop's time by phase
+        self.seconds = dict.fromkeys(PHASES, 0.0)  # the loop's time by phase
         self.prefill_calls = 0
         self.polled = 0.0  # seconds the loop slept on a first chunk's codec call while the engine ran a step
         self.codec_calls = 0

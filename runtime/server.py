@@ -52,7 +52,7 @@ from .audio import ReferenceAudio, encode_reference, load_reference_audio, refer
 from .decoding import Sampling
 from .errors import HiggsError
 from .prompt import build_prompt, check_text, load_reference_codes
-from .scheduler import QueueFull, Scheduler, freeze_heap, request_for
+from .scheduler import PHASES, QueueFull, Scheduler, freeze_heap, request_for
 from .sinks import wav_header
 from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
 from .wav import SAMPLE_RATE, pcm16
@@ -242,7 +242,7 @@ class Metrics:
         loop = Gauge("higgs_engine_loop_seconds", "Seconds the engine thread spent in each phase of the scheduler's "
                      "loop since start: prefill, decode (steps and waiting for them), codec, other", ["phase"],
                      registry=r)
-        for phase in ("prefill", "decode", "codec", "other"):
+        for phase in PHASES:
             loop.labels(phase).set_function(
                 lambda p=phase: engine.scheduler.seconds[p] if engine.scheduler is not None else 0.0)
         Gauge("higgs_prefill_calls", "Prefill calls since start (each one or more joining requests)",
