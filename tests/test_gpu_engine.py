@@ -283,27 +283,38 @@ def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature,
         assert np.array_equal(np.stack(request.utterance.rows), np.stack(other.utterance.rows))
 
 
-def test_joins_at_any_slot_compile_nothing(tiny):
-    """Joins start slots anywhere (a run of joins at an odd slot, of any length): the step-state kernels launched on
-    those slot slices are the variants compiled at start-up. A Triton compile (~0.5 s) on the request path stalled
-    every stream of a server (specialized on the slices' alignment, 24 prefill calls took 1.5 s)."""
+def compiled_variants():
+    """How many variants Triton has compiled of each kernel of the engine, in this process."""
+    from triton.runtime.jit import JITFunction
+
     from higgs_trt.builder import gpu_kernels
     from higgs_trt.plugins import kernels as plugin_kernels
+
+    return {name: sum(len(cache[0]) for cache in k.device_caches.values())
+            for module in (gpu_kernels, plugin_kernels) for name, k in vars(module).items()
+            if isinstance(k, JITFunction)}
+
+
+def test_joins_compile_nothing(tiny):
+    """Joins start slots anywhere (a run of joins at an odd slot, of any length) and come in waves of any size: the
+    kernels they launch are the variants compiled at start-up. A Triton compile (~0.5 s) on the request path stalls
+    every stream of a server: the step-state kernels were specialized on the slot slices' alignment (24 prefill
+    calls took 1.5 s), and a wave larger than the captured prefill graphs ran eagerly, compiling variants for its
+    row count (a first wave of 64 joins of 41 rows waited ~5 s)."""
     from higgs_trt.runtime.decoding import Sampling
 
     engine = open_engine(tiny, max_batch=32)
     p = prompts(tiny, ["Hello there."])[0]
-    kernels = (plugin_kernels.delayed_codebook_sample, gpu_kernels.advance_slots)
-
-    def compiled():
-        return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]
-
+    long = prompts(tiny, ["A longer sentence, so that its prompt takes the next length bucket of the prefill graphs,"
+                          " and a little more."])[0]
+    assert 64 < len(long) < 128 and len(long) % 16  # bucket 128: 4 prompts a captured pass (pass_rows 512)
     engine.prefill([(0, p, Sampling())])
-    before = compiled()
+    before = compiled_variants()
     for slots in ([3], [5, 6, 7], list(range(9, 20)), [1, 2, 21, 22, 23]):
         engine.prefill([(s, p, Sampling(0.8, seed=s)) for s in slots])
+    engine.prefill([(s, long, Sampling()) for s in range(29)])  # by rows alone: passes of 7, eager
     torch.cuda.synchronize()
-    assert compiled() == before
+    assert compiled_variants() == before
 
 
 def test_codec_graphs_cover_every_window_of_the_plan(tiny):
