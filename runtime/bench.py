@@ -99,6 +99,7 @@ class StreamFigures:
     queue_wait_ms: float | None = None  # mean time from submission to the prefill call that gave a request its slot
     codec_calls: int = 0
     codec_windows: int = 0
+    server_first_audio_ms: float | None = None  # bench serve: mean from submission to the first chunk, at the server
 
     def line(self) -> str:
         ttfa = np.array(self.ttfa_ms)
@@ -108,6 +109,8 @@ class StreamFigures:
                 f"underruns {self.underruns}")
         if self.queue_wait_ms is not None:
             line += f"; queue wait mean {self.queue_wait_ms:.1f} ms"
+        if self.server_first_audio_ms is not None:
+            line += f"; first audio at the server mean {self.server_first_audio_ms:.1f} ms"
         if self.phases:
             line += "; loop " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases.items())
         if self.codec_calls:

@@ -1,50 +1,54 @@
 """`higgs-trt bench serve`: a running `higgs-trt serve` measured at the client, as its users see it.
 
-Closed-loop clients over HTTP (httpx): `concurrency` requests in flight, each finished one replaced by the next, until
+Closed-loop clients over HTTP (aiohttp): `concurrency` requests in flight, each finished one replaced by the next, until
 `requests` have finished. Each streams pcm (`stream_format: audio`), with its own seed and at most `max_new_tokens`
 decode steps. Per level: audio seconds received / wall time (audio-s/s), time to first audio from sending the
 request to the first audio byte (p50 / p95 / mean), and underruns (pieces that arrived after the audio before them
 would have finished playing, the first excepted). One warm-up request runs first. From the server's /metrics, read
 before and after each level: where its engine thread spent the level (the scheduler loop's phases), how many
-prefill calls the joins took, and how long requests waited for a slot (submission → the prefill call that took them:
-part of their first audio).
+prefill calls the joins took, how long requests waited for a slot (submission → the prefill call that took them:
+part of their first audio), and their mean first audio at the server (submission → the first chunk handed to the
+event loop): the rest of the client's figure is HTTP, the event loop and the client.
 """
 
 import asyncio
 import re
 import time
 
-import httpx
+import aiohttp
 
 from .bench import StreamFigures
 from .errors import HiggsError
+from .scheduler import PHASES
 from .speech_api import MODEL_ID
 from .wav import SAMPLE_RATE
 
 BYTES_PER_SECOND = 2 * SAMPLE_RATE  # pcm: s16le mono
 
 
-async def _one(client: httpx.AsyncClient, body: dict) -> tuple[float | None, list, str | None]:
+async def _one(session: aiohttp.ClientSession, body: dict) -> tuple[float | None, list, str | None]:
     """(time to first audio, [(arrival, bytes)], error) of one streamed request."""
     arrivals, t0 = [], time.perf_counter()
-    async with client.stream("POST", "/v1/audio/speech", json=body) as response:
-        if response.status_code != 200:
-            return None, [], f"{response.status_code} {(await response.aread())[:200]!r}"
-        async for piece in response.aiter_raw():
+    async with session.post("/v1/audio/speech", json=body) as response:
+        if response.status != 200:
+            return None, [], f"{response.status} {(await response.read())[:200]!r}"
+        async for piece in response.content.iter_any():
             if piece:
                 arrivals.append((time.perf_counter(), len(piece)))
     return (arrivals[0][0] - t0 if arrivals else None), arrivals, None
 
 
 async def _level(url: str, concurrency: int, requests: int, body) -> tuple[StreamFigures, list[str]]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    # aiohttp, not httpx: at 64 streams on the H200's host httpx's client added ~200 ms to the mean first audio and
+    # took 3.6 s for a level that a bare asyncio client finished in 2.9 s (.device measurement, 2026-12-01)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600.0)) as session:
         pending = iter(range(requests))
         results = []
 
         async def client_loop():
             for i in pending:  # one iterator shared by every client: each takes the next request
-                results.append(await _one(client, body(i)))
+                results.append(await _one(session, body(i)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(min(concurrency, requests))))
@@ -64,27 +68,28 @@ async def _level(url: str, concurrency: int, requests: int, body) -> tuple[Strea
 
 
 LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls|codec_calls|codec_windows|'
-                         r'queue_wait_seconds_sum|queue_wait_seconds_count)) (\S+)$', re.MULTILINE)
+                         r'(?:queue_wait|time_to_first_audio)_seconds_(?:sum|count))) (\S+)$', re.MULTILINE)
 
 
-async def _loop_totals(client: httpx.AsyncClient) -> dict[str, float]:
-    """The server's engine-loop seconds by phase, its prefill and codec calls (and windows) and its requests' queue
-    wait (sum, count), since it started."""
-    text = (await client.get("/metrics")).text
+async def _loop_totals(session: aiohttp.ClientSession) -> dict[str, float]:
+    """The server's engine-loop seconds by phase, its prefill and codec calls (and windows), and its requests' queue
+    wait and first audio at the server (sum, count), since it started."""
+    async with session.get("/metrics") as response:
+        text = await response.text()
     return {phase or name: float(value) for phase, name, value in LOOP_METRIC.findall(text)}
 
 
 async def _wait_ready(url: str, wait: float, say) -> None:
     deadline = time.perf_counter() + wait
-    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+    async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=5.0)) as session:
         while True:
             try:
-                r = await client.get("/health")
-                if r.status_code == 200:
-                    say(f"server ready: {r.json()}")
-                    return
-                status = f"{r.status_code} {r.text[:200]}"
-            except httpx.TransportError as e:
+                async with session.get("/health") as r:
+                    if r.status == 200:
+                        say(f"server ready: {await r.json()}")
+                        return
+                    status = f"{r.status} {(await r.text())[:200]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 status = f"{type(e).__name__}"
             if time.perf_counter() > deadline:
                 raise HiggsError(f"{url}/health is not 200 after {wait:g} s (last: {status})")
@@ -103,20 +108,22 @@ def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: 
         if errors:
             raise HiggsError(f"the warm-up request failed: {errors[0]}")
         say(f"warm-up: {warm.audio_s:.2f} s of audio per request ({max_new_tokens} decode steps at most)")
-        async with httpx.AsyncClient(base_url=url, timeout=30.0) as metrics:
+        async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=30.0)) as metrics:
             for c in levels:
                 await _level(url, c, c, body)  # warm-up: the codec meets this level's window shapes first
                 before = await _loop_totals(metrics)
                 figures, errors = await _level(url, c, requests or 2 * c, body)
                 after = await _loop_totals(metrics)
-                figures.phases = {phase: after[phase] - before.get(phase, 0.0) for phase in after}
-                calls = figures.phases.pop("prefill_calls", None)  # None: a server without these metrics
-                waited = figures.phases.pop("queue_wait_seconds_sum", None)
-                admitted = figures.phases.pop("queue_wait_seconds_count", 0)
-                figures.codec_calls = int(figures.phases.pop("codec_calls", 0))
-                figures.codec_windows = int(figures.phases.pop("codec_windows", 0))
-                if waited is not None and admitted:
-                    figures.queue_wait_ms = 1e3 * waited / admitted
+                delta = {name: after[name] - before.get(name, 0.0) for name in after}
+                figures.phases = {phase: delta[phase] for phase in PHASES if phase in delta}
+                calls = delta.get("prefill_calls")  # None: a server without these metrics
+                figures.codec_calls = int(delta.get("codec_calls", 0))
+                figures.codec_windows = int(delta.get("codec_windows", 0))
+                if delta.get("queue_wait_seconds_count"):
+                    figures.queue_wait_ms = 1e3 * delta["queue_wait_seconds_sum"] / delta["queue_wait_seconds_count"]
+                if delta.get("time_to_first_audio_seconds_count"):
+                    figures.server_first_audio_ms = (1e3 * delta["time_to_first_audio_seconds_sum"]
+                                                     / delta["time_to_first_audio_seconds_count"])
                 echo(figures.line() + (f"; {calls:.0f} prefill calls" if calls is not None else "")
                      + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
 

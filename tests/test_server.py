@@ -494,6 +494,19 @@ def test_bench_serve_prints_figures_per_level(server):
     assert all(int(re.search(r"; (\d+) prefill calls", line)[1]) >= 1 for line in lines), r.output
     assert all(int(re.search(r"; (\d+) codec calls of [\d.]+ windows", line)[1]) >= 1 for line in lines), r.output
     assert all(re.search(r"; queue wait mean [\d.]+ ms", line) for line in lines), r.output
+    for line in lines:  # first audio at the server (submission → first chunk) is part of what the client sees
+        client = float(re.search(r"p95 +[\d.]+ ms, mean +([\d.]+) ms", line)[1])
+        server = float(re.search(r"; first audio at the server mean ([\d.]+) ms", line)[1])
+        assert 0 < server <= client, line
+
+
+def test_bench_serve_without_a_server_is_one_error_line():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        r = CliRunner().invoke(main, ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--wait", "1"])
+    assert r.exit_code == 1 and r.output.startswith("Error: ") and "is not 200 after 1 s" in r.output, r.output
+    assert r.output.count("\n") == 1 and "Traceback" not in r.output
 
 
 def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
