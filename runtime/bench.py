@@ -99,7 +99,7 @@ class StreamFigures:
     queue_wait_ms: float | None = None  # mean time from submission to the prefill call that gave a request its slot
     codec_calls: int = 0
     codec_windows: int = 0
-    server_first_audio_ms: float | None = None  # bench serve: mean from submission to the first chunk, at the server
+    server_ms: tuple | None = None  # bench serve, at the server: mean admission, then mean submission → first chunk
 
     def line(self) -> str:
         ttfa = np.array(self.ttfa_ms)
@@ -109,8 +109,9 @@ class StreamFigures:
                 f"underruns {self.underruns}")
         if self.queue_wait_ms is not None:
             line += f"; queue wait mean {self.queue_wait_ms:.1f} ms"
-        if self.server_first_audio_ms is not None:
-            line += f"; first audio at the server mean {self.server_first_audio_ms:.1f} ms"
+        if self.server_ms is not None:
+            line += (f"; at the server: admission {self.server_ms[0]:.1f} ms, then first audio {self.server_ms[1]:.1f} ms"
+                     " (means)")
         if self.phases:
             line += "; loop " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases.items())
         if self.codec_calls:

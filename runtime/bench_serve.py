@@ -7,8 +7,9 @@ request to the first audio byte (p50 / p95 / mean), and underruns (pieces that a
 would have finished playing, the first excepted). One warm-up request runs first. From the server's /metrics, read
 before and after each level: where its engine thread spent the level (the scheduler loop's phases), how many
 prefill calls the joins took, how long requests waited for a slot (submission → the prefill call that took them:
-part of their first audio), and their mean first audio at the server (submission → the first chunk handed to the
-event loop): the rest of the client's figure is HTTP, the event loop and the client.
+part of their first audio), and at the server their mean admission (the handler's start → submission: body, parsing,
+prompt) and first audio after it (submission → the first chunk handed to the event loop): the rest of the client's
+figure is HTTP, the event loop and the client.
 """
 
 import asyncio
@@ -68,12 +69,12 @@ async def _level(url: str, concurrency: int, requests: int, body) -> tuple[Strea
 
 
 LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls|codec_calls|codec_windows|'
-                         r'(?:queue_wait|time_to_first_audio)_seconds_(?:sum|count))) (\S+)$', re.MULTILINE)
+                         r'(?:admission|queue_wait|time_to_first_audio)_seconds_(?:sum|count))) (\S+)$', re.MULTILINE)
 
 
 async def _loop_totals(session: aiohttp.ClientSession) -> dict[str, float]:
-    """The server's engine-loop seconds by phase, its prefill and codec calls (and windows), and its requests' queue
-    wait and first audio at the server (sum, count), since it started."""
+    """The server's engine-loop seconds by phase, its prefill and codec calls (and windows), and its requests'
+    admission, queue wait and first audio at the server (sum, count), since it started."""
     async with session.get("/metrics") as response:
         text = await response.text()
     return {phase or name: float(value) for phase, name, value in LOOP_METRIC.findall(text)}
@@ -119,11 +120,12 @@ def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: 
                 calls = delta.get("prefill_calls")  # None: a server without these metrics
                 figures.codec_calls = int(delta.get("codec_calls", 0))
                 figures.codec_windows = int(delta.get("codec_windows", 0))
-                if delta.get("queue_wait_seconds_count"):
-                    figures.queue_wait_ms = 1e3 * delta["queue_wait_seconds_sum"] / delta["queue_wait_seconds_count"]
-                if delta.get("time_to_first_audio_seconds_count"):
-                    figures.server_first_audio_ms = (1e3 * delta["time_to_first_audio_seconds_sum"]
-                                                     / delta["time_to_first_audio_seconds_count"])
+                mean_ms = {name: 1e3 * delta[f"{name}_seconds_sum"] / delta[f"{name}_seconds_count"]
+                           for name in ("admission", "queue_wait", "time_to_first_audio")
+                           if delta.get(f"{name}_seconds_count")}
+                figures.queue_wait_ms = mean_ms.get("queue_wait")
+                if "admission" in mean_ms and "time_to_first_audio" in mean_ms:
+                    figures.server_ms = (mean_ms["admission"], mean_ms["time_to_first_audio"])
                 echo(figures.line() + (f"; {calls:.0f} prefill calls" if calls is not None else "")
                      + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
 

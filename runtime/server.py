@@ -229,6 +229,9 @@ class Metrics:
         self.errors = Counter("higgs_errors", "Requests refused before admission, by error code", ["code"], registry=r)
         self.queue_wait = Histogram("higgs_queue_wait_seconds", "From admission to the prefill call that gives the "
                                     "request a slot", buckets=TTFA_BUCKETS, registry=r)
+        self.admission = Histogram("higgs_admission_seconds", "From the request's handler starting to its admission "
+                                   "(reading and parsing the body, building the prompt, encoding reference audio)",
+                                   buckets=TTFA_BUCKETS, registry=r)
 
         def scheduler(attribute):
             return lambda: getattr(engine.scheduler, attribute) if engine.scheduler is not None else 0
@@ -339,12 +342,13 @@ class SpeechService:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def speech(self, request: Request) -> Response:
-        arrived = asyncio.get_running_loop().time()
+        arrived, started = asyncio.get_running_loop().time(), time.perf_counter()
         try:
             job, stream, speech, input_tokens = await self._admit(request)
         except ApiError as e:
             self.metrics.errors.labels(e.code).inc()
             return JSONResponse(e.body(), e.status, headers=e.headers)
+        self.metrics.admission.observe(job.submitted_at - started)
         deadline = arrived + self.timeout
         stop = partial(self._stop, job, stream)
         if speech.sse:
