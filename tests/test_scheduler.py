@@ -60,16 +60,23 @@ def test_cancellation_frees_the_slot_within_one_step(engine, prompts):
     assert not queued.step() and waiting.finished
 
 
-def _recording_prefills(engine, calls):
-    class Recording:  # the engine, noting each prefill call's joins
+def _recording(engine, method: str, calls: list, note):
+    """The engine, noting note(*args) of each call of `method` in `calls` before making it."""
+    class Recording:
         def __getattr__(self, name):
             return getattr(engine, name)
 
-        def prefill(self, joins):
-            calls.append([len(prompt) for _, prompt, _ in joins])
-            return engine.prefill(joins)
+    def call(*args):
+        calls.append(note(*args))
+        return getattr(engine, method)(*args)
 
-    return Recording()
+    recording = Recording()
+    setattr(recording, method, call)
+    return recording
+
+
+def _recording_prefills(engine, calls):
+    return _recording(engine, "prefill", calls, lambda joins: [len(prompt) for _, prompt, _ in joins])
 
 
 def test_joins_come_in_one_prefill_call_bounded_while_others_play(engine, prompts):
@@ -105,18 +112,10 @@ def test_a_scheduler_prepares_the_engines_codec_for_its_plan_before_any_request(
     from higgs_trt.runtime.streaming import StreamPlan
 
     plans = []
-
-    class Recording:  # the engine, noting the plans it is asked to prepare for
-        def __getattr__(self, name):
-            return getattr(engine, name)
-
-        def prepare_codec(self, plan):
-            plans.append(plan)
-
     plan = StreamPlan.exact(engine.codec_strides, first=2)
-    scheduler = Scheduler(Recording(), plan)
+    scheduler = Scheduler(_recording(engine, "prepare_codec", plans, lambda plan: plan), plan)
     assert plans == [plan] and not scheduler.queue
-    Scheduler(Recording())
+    Scheduler(_recording(engine, "prepare_codec", plans, lambda plan: plan))
     assert plans[1] == StreamPlan.exact(engine.codec_strides)
 
 
