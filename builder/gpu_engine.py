@@ -53,7 +53,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # chunk): the host's work per launch spread over several rows. A lone stream only, where that work is the most per row
 # and a join waits for the fewest slots.
 STEP_ROWS = {1: 4}
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths of the captured prefills (counts: BUCKETS)
+# Prompt lengths of the captured prefills (counts: BUCKETS), 1.5× apart past 32: a wave of joins prefills in passes of
+# these shapes only (GpuEngine._fits), so a bucket's padding is paid by every prompt of a wave (41 rows: 48, not 64).
+PROMPT_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_PROMPTS = 4  # a prefill pass holds the rows of this many longest prompts (more when they are shorter)
 # decode attention: keys per program (a row's split depends only on its own length), per block, warps
 # (`higgs-trt bench attention`; the README has the figures behind the choice)
