@@ -54,7 +54,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # and a join waits for the fewest slots.
 STEP_ROWS = {1: 4}
 # Prompt lengths of the captured prefills (counts: BUCKETS), 1.5× apart past 32: a wave of joins prefills in passes of
-# these shapes only (GpuEngine._fits), so a bucket's padding is paid by every prompt of a wave (41 rows: 48, not 64).
+# these shapes only (prefill_passes), so a bucket's padding is paid by every prompt of a wave (41 rows: 48, not 64).
 PROMPT_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_PROMPTS = 4  # a prefill pass holds the rows of this many longest prompts (more when they are shorter)
 # decode attention: keys per program (a row's split depends only on its own length), per block, warps
@@ -93,6 +93,27 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((j, slot, 1))
     return runs
+
+
+def prefill_passes(lengths: list[int], pass_rows: int, captured: dict[int, int]) -> list[int]:
+    """How many of the prompts (of these lengths, in order) each prefill pass takes. `captured`: the most prompts a
+    captured graph holds, per length bucket. Where a bucket holds a pass's longest prompt, passes take the graphs'
+    shapes only: another shape runs eagerly, and Triton compiles variants for its row count on the request path (a
+    server's first wave of 64 joins of 41 rows waited ~5 s for them on the H200). Else (longer prompts, no graphs)
+    as many prompts as `pass_rows` hold, padded to the longest."""
+    buckets = sorted(captured)
+
+    def fits(count: int, longest: int) -> bool:
+        bucket = next((b for b in buckets if b >= longest), None)
+        return count <= captured[bucket] if bucket is not None else count * longest <= pass_rows
+
+    passes, count, longest = [], 0, 0
+    for n in lengths:
+        if count and not fits(count + 1, max(longest, n)):
+            passes.append(count)
+            count, longest = 0, 0
+        count, longest = count + 1, max(longest, n)
+    return passes + [count] if count else passes
 
 
 @dataclass(frozen=True)
@@ -338,6 +359,7 @@ class GpuEngine:
         self.codec_seconds: list[float] = []
         self.parity = 0
         self.graphs: dict = {}
+        self.prompt_counts: dict[int, int] = {}  # length bucket → the most prompts a captured prefill graph holds
         # prefill input: the prompts padded with text token 0 to one length (causal attention keeps the padding out
         # of the prompt's rows), one after another; the keys and values go to a stage, then into their slots
         self.prompt_buckets = sorted({min(b, max_prompt) for b in PROMPT_BUCKETS})
@@ -456,6 +478,7 @@ class GpuEngine:
                     with torch.cuda.graph(graph, stream=self.stream, pool=pool):
                         self._prefill_padded(count, length)
                     self.graphs["prompt", count, length] = graph
+                    self.prompt_counts[length] = count
         self.caches.zero_()
 
     # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
@@ -493,26 +516,11 @@ class GpuEngine:
         for _, prompt, _ in joins:
             if len(prompt) > self.max_prompt:
                 raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prompt {self.max_prompt}")
-        group, longest = [], 0
-        for join in joins:
-            if group and not self._fits(len(group) + 1, max(longest, len(join[1]))):
-                self._prefill_group(group)
-                group, longest = [], 0
-            group.append(join)
-            longest = max(longest, len(join[1]))
-        if group:
-            self._prefill_group(group)
+        start = 0
+        for count in prefill_passes([len(prompt) for _, prompt, _ in joins], self.pass_rows, self.prompt_counts):
+            self._prefill_group(joins[start:start + count])
+            start += count
         self.prefill_seconds += time.perf_counter() - t0
-
-    def _fits(self, count: int, longest: int) -> bool:
-        """Whether `count` prompts, the longest of `longest` rows, make one prefill pass: one of the captured graphs
-        when there are any (a pass that fits none runs eagerly, and Triton compiles variants for its row count on
-        the request path: a server's first wave of 64 joins of 41 rows waited ~5 s for them on the H200), else as
-        many as the activation buffers hold, padded to the longest."""
-        if self.graphs:
-            bucket = next(b for b in self.prompt_buckets if b >= longest)
-            return ("prompt", self.bucket_of[count], bucket) in self.graphs
-        return count * longest <= self.pass_rows
 
     def _prefill_group(self, group: list[tuple[int, Prompt, Sampling]]) -> None:
         g, longest = len(group), max(len(prompt) for _, prompt, _ in group)
