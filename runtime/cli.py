@@ -67,7 +67,7 @@ def _reference_codes(path: Path, sources, device: str):
 
 
 def stream_plan_options(command):
-    """The codec windows' sizes: `run` and `bench stream`."""
+    """The codec windows' sizes: `run`, `serve` and `bench stream`."""
     for option in reversed([
         click.option("--first-chunk", type=int, default=8, show_default=True,
                      help="Frames (40 ms each) in the first chunk."),
@@ -211,9 +211,10 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
 @click.option("--fixed-length", is_flag=True,
               help="Benchmarks on random weights only: every request decodes exactly max_new_tokens rows (the stop "
                    "rules, which end random-weight utterances at 32 repeated rows, are off).")
+@stream_plan_options
 @click.pass_context
 def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voices_dir, ref_dir, max_queue, timeout,
-          fixed_length):
+          fixed_length, first_chunk, chunk, context, holdback, first_holdback):
     """Serve OpenAI's POST /v1/audio/speech (plus /v1/models, /health, /metrics) on the in-flight scheduler."""
     import math
 
@@ -231,12 +232,15 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voice
         raise HiggsError(f"--timeout must be a positive number of seconds, got {timeout}")
     if ref_dir is not None and not ref_dir.is_dir():
         raise HiggsError(f"--ref-dir {ref_dir}: not a directory")
+    stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
     sources = open_sources(name, engine, checkpoint, None, None)
     tokenizer = load_tokenizer(sources)
     voices = load_voices(voices_dir, tokenizer)  # every voice file checked before the server starts
     thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, say=say),
-                          lambda: open_encoder(sources, device), tokenizer, voices, max_queue)
+                          lambda: open_encoder(sources, device), tokenizer, voices, max_queue,
+                          lambda strides: stream_plan(first_chunk, chunk, context, holdback, first_holdback, strides,
+                                                      warn=True))
     run_server(SpeechService(thread, tokenizer, voices, ref_dir, timeout, fixed_length=fixed_length), host, port)
 
 

@@ -131,10 +131,12 @@ def load_voices(directory: Path | None, tokenizer) -> dict[str, Voice]:
 class EngineThread(threading.Thread):
     """Opens the engine, then runs the scheduler loop and the jobs handed to it, all on this one thread."""
 
-    def __init__(self, open_engine, open_encoder, tokenizer, voices: dict[str, Voice], max_queue: int):
+    def __init__(self, open_engine, open_encoder, tokenizer, voices: dict[str, Voice], max_queue: int,
+                 stream_plan=None):
         super().__init__(name="higgs-engine", daemon=True)
         self.open_engine, self.open_encoder, self.tokenizer, self.voices = open_engine, open_encoder, tokenizer, voices
         self.max_queue = max_queue
+        self.stream_plan = stream_plan  # the codec's strides → the chunks' windows (None: exact, 8 frames then 25)
         self.engine = self.scheduler = self.encoder = None
         self.no_encoder: str | None = None  # why reference audio cannot be encoded
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -180,7 +182,8 @@ class EngineThread(threading.Thread):
                 if self.encoder is None:
                     raise HiggsError(f"voice {name!r} is a recording, but: {self.no_encoder}")
                 voice.codes, voice.audio = encode_reference(voice.audio, self.encoder), None
-        self.scheduler = Scheduler(self.engine, max_queue=self.max_queue)
+        plan = self.stream_plan(self.engine.codec_strides) if self.stream_plan is not None else None
+        self.scheduler = Scheduler(self.engine, plan, max_queue=self.max_queue)
         prompt = build_prompt(self.tokenizer, WARMUP_TEXT)
         warm = self.scheduler.submit(request_for(self.engine, prompt, Sampling(1.0), hard_cap=16))
         self.scheduler.run()

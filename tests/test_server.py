@@ -249,6 +249,24 @@ def test_sse_deltas_then_done_with_usage(server, solo):
     assert done["type"] == "speech.audio.done"
 
 
+def test_a_server_streams_in_the_chunks_its_options_ask_for(engine_dir, solo, tmp_path):
+    """serve --first-chunk 2 --chunk 10: a first delta of 2 frames, then 10 at a time, and the same audio as the
+    default windows give (exact seams either way)."""
+    frame = 960 * 2  # bytes of pcm a frame
+    s = Server(engine_dir, tmp_path / "server.log", "--first-chunk", 2, "--chunk", 10)
+    try:
+        *deltas, done = sse_events(s.url, body(input=TEXT, response_format="pcm", stream_format="sse", seed=5,
+                                               max_new_tokens=100))
+    finally:
+        assert s.stop() == 0, s.output()
+    pieces = [base64.b64decode(e["audio"]) for e in deltas]
+    assert len(pieces[0]) == 2 * frame and {len(p) for p in pieces[1:-1]} == {10 * frame}, [len(p) for p in pieces]
+    # exact seams: the samples of the default windows, to the pcm step (other window lengths round the convolutions'
+    # floats differently, ~1e-7, which can move a sample across a 16-bit rounding boundary)
+    got, want = (np.frombuffer(b, "<i2").astype(int) for b in (b"".join(pieces), solo.run(TEXT, 5, 100)[0]))
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1 and done["type"] == "speech.audio.done"
+
+
 def test_whole_file_formats(server, solo):
     audio = np.frombuffer(solo.run(TEXT, 2, 80)[0], "<i2")
     r = httpx.post(server.url + SPEECH, json=body(input=TEXT, seed=2, max_new_tokens=80, response_format="flac"))
@@ -526,6 +544,8 @@ def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
             (["--engine", str(engine_dir), "--ref-dir", str(tmp_path / "nowhere")], "--ref-dir"),
             (["--engine", str(engine_dir), "--timeout", "0"], "--timeout"),
             (["--engine", str(engine_dir), "--max-batch", "0"], "--max-batch"),
+            (["--engine", str(engine_dir), "--first-chunk", "0"], "stream sizes must be positive"),
+            (["--engine", str(engine_dir), "--context", "500"], "exceeds"),
             (["--engine", str(engine_dir), "--port", str(port)], "cannot listen"),
         ]
         for args, words in cases:
