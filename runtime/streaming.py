@@ -92,16 +92,21 @@ class StreamPlan:
         left, right = receptive_field(strides)
         return cls(left, right, first, chunk)
 
+    def windows(self, frames: int) -> list[Window]:
+        """Every window of an utterance of `frames` frames, in order, as they fall due while its frames are fixed one
+        at a time."""
+        windows, emitted = [], 0
+        for ready in range(1, frames + 1):
+            while window := self.next_window(emitted, ready, final=ready == frames):
+                windows.append(window)
+                emitted = window.emit_to
+        return windows
+
     def window_lengths(self) -> list[int]:
         """The lengths of an utterance's windows once it is longer than the first few: the first chunks' (the
         second one's too while the first is shorter than `left`) and the middle windows', which the last one takes."""
         frames = self.first + 3 * self.chunk + self.left + self.right
-        lengths, emitted = set(), 0
-        for ready in range(1, frames + 1):
-            while window := self.next_window(emitted, ready, final=ready == frames):
-                lengths.add(window.stop - window.start)
-                emitted = window.emit_to
-        return sorted(lengths)
+        return sorted({w.stop - w.start for w in self.windows(frames)})
 
     def next_window(self, emitted: int, ready: int, final: bool) -> Window | None:
         """The next window once `ready` frames are fixed (`final`: no more will come), or None if not yet."""

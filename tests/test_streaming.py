@@ -23,12 +23,8 @@ def decode(codec, frames: np.ndarray) -> np.ndarray:
 
 
 def streamed(codec, frames: np.ndarray, plan: StreamPlan) -> np.ndarray:
-    """Frames arrive one at a time; every window due is decoded at once, at its own length; then the final ones."""
-    out, emitted = [], 0
-    for ready in range(1, len(frames) + 1):
-        while window := plan.next_window(emitted, ready, final=ready == len(frames)):
-            out.append(window.trim(decode(codec, frames[window.start:window.stop])))
-            emitted = window.emit_to
+    """Frames arrive one at a time; every window due is decoded at its own length; then the final ones."""
+    out = [w.trim(decode(codec, frames[w.start:w.stop])) for w in plan.windows(len(frames))]
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -67,13 +63,9 @@ def test_every_window_after_the_first_has_one_length(length):
     """The last window reaches back to a middle window's length (so the GPU engine replays one captured graph for
     it), emitting only what is left; an utterance shorter than that decodes whole."""
     plan = StreamPlan.exact((8, 5, 4, 2, 3))
-    windows, emitted = [], 0
-    for ready in range(1, length + 1):
-        while window := plan.next_window(emitted, ready, final=ready == length):
-            windows.append(window)
-            emitted = window.emit_to
+    windows = plan.windows(length)
     full = plan.left + plan.chunk + plan.right
-    assert emitted == length and windows[-1].stop == length
+    assert windows[-1].emit_to == length and windows[-1].stop == length
     assert all(w.stop - w.start == min(full, w.stop) for w in windows[1:])
     assert all(a.emit_to == b.emit_from for a, b in zip(windows, windows[1:]))
     if length >= full:  # the lengths the GPU engine captures cover every window
