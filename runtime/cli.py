@@ -8,6 +8,9 @@ import numpy as np
 
 from .errors import HiggsError
 
+PRECISION_HELP = ("With --engine: refuse an engine of another precision. With --checkpoint on a GPU (torch): bf16 "
+                  "(default), or fp8 with scales calibrated at start-up on the built-in prompt set.")
+
 
 class Cli(click.Group):
     """Turns HiggsError into a one-line `Error: ...` and exit code 1, never a traceback."""
@@ -97,7 +100,7 @@ def stream_plan_options(command):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True,
               help="torch: cuda runs the GPU engine, cpu the fp32 reference (auto: cuda when torch sees a GPU); "
                    "trt: lean loads --lean plans with tensorrt_lean.")
-@click.option("--precision", type=click.Choice(["bf16", "fp8"]), help="Refuse an engine of another precision.")
+@click.option("--precision", type=click.Choice(["bf16", "fp8"]), help=PRECISION_HELP)
 @click.option("--ref-codes", type=click.Path(path_type=Path), help="Voice clone: reference audio codes [T,8] (.npy).")
 @click.option("--ref-audio", type=click.Path(path_type=Path),
               help="Voice clone: a reference recording (wav/flac/ogg/mp3, mono or stereo, 1–30 s), encoded with the "
@@ -197,6 +200,7 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
               help="As for `run`.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--precision", type=click.Choice(["bf16", "fp8"]), help=PRECISION_HELP)
 @click.option("--max-batch", type=int, default=64, show_default=True,
               help="Engine slots: requests decoded together (at most what the engine was built for).")
 @click.option("--voices", "voices_dir", type=click.Path(path_type=Path),
@@ -213,7 +217,7 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
                    "rules, which end random-weight utterances at 32 repeated rows, are off).")
 @stream_plan_options
 @click.pass_context
-def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voices_dir, ref_dir, max_queue, timeout,
+def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_batch, voices_dir, ref_dir, max_queue, timeout,
           fixed_length, first_chunk, chunk, context, holdback, first_holdback):
     """Serve OpenAI's POST /v1/audio/speech (plus /v1/models, /health, /metrics) on the in-flight scheduler."""
     import math
@@ -234,10 +238,10 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, max_batch, voice
         raise HiggsError(f"--ref-dir {ref_dir}: not a directory")
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
-    sources = open_sources(name, engine, checkpoint, None, None)
+    sources = open_sources(name, engine, checkpoint, precision, None)
     tokenizer = load_tokenizer(sources)
     voices = load_voices(voices_dir, tokenizer)  # every voice file checked before the server starts
-    thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, say=say),
+    thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, precision=precision, say=say),
                           lambda: open_encoder(sources, device), tokenizer, voices, max_queue,
                           lambda strides: stream_plan(first_chunk, chunk, context, holdback, first_holdback, strides,
                                                       warn=True))

@@ -544,6 +544,7 @@ def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
             (["--engine", str(engine_dir), "--ref-dir", str(tmp_path / "nowhere")], "--ref-dir"),
             (["--engine", str(engine_dir), "--timeout", "0"], "--timeout"),
             (["--engine", str(engine_dir), "--max-batch", "0"], "--max-batch"),
+            (["--engine", str(engine_dir), "--precision", "fp8"], "holds bf16 engines"),
             (["--engine", str(engine_dir), "--first-chunk", "0"], "stream sizes must be positive"),
             (["--engine", str(engine_dir), "--context", "500"], "exceeds"),
             (["--engine", str(engine_dir), "--port", str(port)], "cannot listen"),
