@@ -13,8 +13,11 @@ k1) and the transposed conv (k = 2·stride, padding ⌈stride/2⌉), then conv1 
 this gives 10 frames on each side: a window that carries L ≥ left and H ≥ right frames of real context around the
 frames it emits decodes them exactly as the one-shot decode does; with one frame less, the seam samples differ.
 
-Windows: the first chunk is `first` frames, then `chunk` frames each, every one decoded with up to `left` frames
-before and `right` after; the last window ends at the utterance's end (where the one-shot decode pads too), never
+Windows: the first chunk is `first` frames, then chunks grow to `chunk` frames, each at most RAMP times the audio
+emitted before it (a 2-frame first chunk is followed by 8, then 25; after the default 8 the next is 25 already): a
+chunk must be decoded before the audio sent ahead of it has played, and under load (64 streams on the H200) a row
+takes ~3.5 ms of the 40 ms its frame plays, so 25 rows behind a 2-frame first chunk would arrive late. Every window is
+decoded with up to `left` frames before and `right` after; the last window ends at the utterance's end (where the one-shot decode pads too), never
 padded past it. It reaches back as far as a middle window is long (left + chunk + right frames, the extra ones real
 context: the same samples), so that an utterance's tail decodes at the length of every other window (the GPU
 engine's captured codec graphs; eagerly, ~100 launches) unless the whole utterance is shorter. `first_right` < right
@@ -28,6 +31,7 @@ from .errors import HiggsError
 
 RESIDUAL_DILATIONS = (1, 3, 9)
 CONV_KERNEL = 7
+RAMP = 4  # a chunk after the first is at most RAMP × the frames emitted before it
 
 
 def receptive_field(strides: tuple[int, ...]) -> tuple[int, int]:
@@ -103,14 +107,14 @@ class StreamPlan:
         return windows
 
     def window_lengths(self) -> list[int]:
-        """The lengths of an utterance's windows once it is longer than the first few: the first chunks' (the
-        second one's too while the first is shorter than `left`) and the middle windows', which the last one takes."""
-        frames = self.first + 3 * self.chunk + self.left + self.right
+        """The lengths of an utterance's windows once it is longer than the first few: the first chunks' (those
+        still growing, and those that start at frame 0) and the middle windows', which the last one takes."""
+        frames = self.first + 4 * self.chunk + self.left + self.right
         return sorted({w.stop - w.start for w in self.windows(frames)})
 
     def next_window(self, emitted: int, ready: int, final: bool) -> Window | None:
         """The next window once `ready` frames are fixed (`final`: no more will come), or None if not yet."""
-        size = self.first if emitted == 0 else self.chunk
+        size = self.first if emitted == 0 else min(self.chunk, RAMP * emitted)
         holdback = self.first_right if emitted == 0 and self.first_right is not None else self.right
         if final:
             size = min(size, ready - emitted)

@@ -250,8 +250,8 @@ def test_sse_deltas_then_done_with_usage(server, solo):
 
 
 def test_a_server_streams_in_the_chunks_its_options_ask_for(engine_dir, solo, tmp_path):
-    """serve --first-chunk 2 --chunk 10: a first delta of 2 frames, then 10 at a time, and the same audio as the
-    default windows give (exact seams either way)."""
+    """serve --first-chunk 2 --chunk 10: a first delta of 2 frames, then 8 (4× what came before), then 10 at a time,
+    and the same audio as the default windows give (exact seams either way)."""
     frame = 960 * 2  # bytes of pcm a frame
     s = Server(engine_dir, tmp_path / "server.log", "--first-chunk", 2, "--chunk", 10)
     try:
@@ -260,7 +260,8 @@ def test_a_server_streams_in_the_chunks_its_options_ask_for(engine_dir, solo, tm
     finally:
         assert s.stop() == 0, s.output()
     pieces = [base64.b64decode(e["audio"]) for e in deltas]
-    assert len(pieces[0]) == 2 * frame and {len(p) for p in pieces[1:-1]} == {10 * frame}, [len(p) for p in pieces]
+    assert [len(p) for p in pieces[:2]] == [2 * frame, 8 * frame], [len(p) for p in pieces]
+    assert {len(p) for p in pieces[2:-1]} == {10 * frame}, [len(p) for p in pieces]
     # exact seams: the samples of the default windows, to the pcm step (other window lengths round the convolutions'
     # floats differently, ~1e-7, which can move a sample across a 16-bit rounding boundary)
     got, want = (np.frombuffer(b, "<i2").astype(int) for b in (b"".join(pieces), solo.run(TEXT, 5, 100)[0]))

@@ -41,10 +41,11 @@ def test_the_receptive_field_from_the_geometry_is_the_real_one(codec):
     assert diff.min() // hop == 30 - right and diff.max() // hop == 30 + left
 
 
+@pytest.mark.parametrize("first", [8, 2])
 @pytest.mark.parametrize("length", [5, 8, 33, 61, 100])
-def test_streamed_equals_one_shot(codec, length):
+def test_streamed_equals_one_shot(codec, length, first):
     frames = np.random.default_rng(length).integers(0, 1024, size=(length, 8))
-    plan = StreamPlan.exact(codec.dims.strides)
+    plan = StreamPlan.exact(codec.dims.strides, first=first)
     got, want = streamed(codec, frames, plan), decode(codec, frames)
     assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
 
@@ -72,10 +73,18 @@ def test_every_window_after_the_first_has_one_length(length):
         assert {w.stop - w.start for w in windows} <= set(plan.window_lengths())
 
 
+@pytest.mark.parametrize("first, sizes", [(8, [8, 25, 25]), (2, [2, 8, 25]), (1, [1, 4, 20, 25]), (30, [30, 25])])
+def test_chunks_grow_to_the_chunk_size_at_most_fourfold(first, sizes):
+    """A small first chunk is followed by chunks at most 4× the audio before them, so that each one is decoded while
+    that audio plays; the default 8 is followed by 25 at once."""
+    emitted = [w.emit_to - w.emit_from for w in StreamPlan.exact((8, 5, 4, 2, 3), first=first).windows(300)]
+    assert emitted[:len(sizes)] == sizes and set(emitted[len(sizes):-1]) == {25} and sum(emitted) == 300
+
+
 def test_window_lengths_name_the_first_windows_and_the_middle_ones():
     """The second window starts at frame 0 while the first chunk is shorter than the left context: 8 + 25 + 10."""
     assert StreamPlan.exact((8, 5, 4, 2, 3)).window_lengths() == [18, 43, 45]
-    assert StreamPlan.exact((8, 5, 4, 2, 3), first=2).window_lengths() == [12, 37, 45]
+    assert StreamPlan.exact((8, 5, 4, 2, 3), first=2).window_lengths() == [12, 20, 45]
     assert StreamPlan(10, 10, first=12, first_right=4).window_lengths() == [16, 45]
 
 
