@@ -223,7 +223,7 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_b
     import math
 
     from . import extras
-    from .engines import choose_backend, load_tokenizer, open_encoder, open_engine, open_sources
+    from .engines import choose_backend, load_tokenizer, open_encoder, open_engine, open_sources, torch_on_cpu
     from .options import within
 
     with extras.needed("serve", "higgs-trt serve"):
@@ -239,6 +239,8 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_b
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
     sources = open_sources(name, engine, checkpoint, precision, None)
+    if name == "torch":
+        torch_on_cpu(sources, device, precision)  # its option rules, before the server starts
     tokenizer = load_tokenizer(sources)
     voices = load_voices(voices_dir, tokenizer)  # every voice file checked before the server starts
     thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, precision=precision, say=say),

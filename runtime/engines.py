@@ -85,7 +85,7 @@ def open_engine(sources: Sources, *, device: str = "auto", max_seq: int = 2048, 
     """The slot engine the scheduler drives (runtime/scheduler.py)."""
     engine = sources.engine
     if sources.backend == "torch":
-        return _torch(engine, sources.checkpoint, device, max_seq, max_batch, precision, say)
+        return _torch(sources, device, max_seq, max_batch, precision, say)
     if sources.backend == "trt":
         from .trt_backend import TrtBackend
 
@@ -95,20 +95,29 @@ def open_engine(sources: Sources, *, device: str = "auto", max_seq: int = 2048, 
     return HostStepper(OrtBackend(engine, max_batch=max_batch))
 
 
-def _torch(engine: EngineDir | None, ckpt, device: str, max_seq: int, max_batch: int, precision: str | None, say):
+def torch_on_cpu(sources: Sources, device: str, precision: str | None) -> bool:
+    """Whether --backend torch runs the fp32 reference on the CPU (else the GPU engine); its options checked before
+    anything loads."""
     with extras.needed("builder", "--backend torch"):
         import torch
     if device == "cuda":
         extras.require_cuda("--device cuda")
-    if device == "cpu" or not torch.cuda.is_available():
-        if ckpt is None:
-            raise HiggsError("--backend torch on the CPU runs the fp32 reference model: it needs --checkpoint")
-        if engine is not None:
-            raise HiggsError("--engine does not apply to --backend torch on the CPU (the fp32 reference runs "
-                             "--checkpoint's weights); the GPU engine runs an engine directory")
-        if precision is not None:
-            raise HiggsError("--precision does not apply to --backend torch on the CPU (the fp32 reference); "
-                             "BF16 and FP8 run on a GPU")
+    if device != "cpu" and torch.cuda.is_available():
+        return False
+    if sources.checkpoint is None:
+        raise HiggsError("--backend torch on the CPU runs the fp32 reference model: it needs --checkpoint")
+    if sources.engine is not None:
+        raise HiggsError("--engine does not apply to --backend torch on the CPU (the fp32 reference runs "
+                         "--checkpoint's weights); the GPU engine runs an engine directory")
+    if precision is not None:
+        raise HiggsError("--precision does not apply to --backend torch on the CPU (the fp32 reference); "
+                         "BF16 and FP8 run on a GPU")
+    return True
+
+
+def _torch(sources: Sources, device: str, max_seq: int, max_batch: int, precision: str | None, say):
+    engine, ckpt = sources.engine, sources.checkpoint
+    if torch_on_cpu(sources, device, precision):
         from higgs_trt.builder.torch_backend import TorchBackend
 
         return HostStepper(TorchBackend(ckpt, max_seq=max_seq, max_batch=max_batch))

@@ -531,7 +531,7 @@ def test_bench_serve_without_a_server_is_one_error_line():
     assert r.output.count("\n") == 1 and "Traceback" not in r.output
 
 
-def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
+def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tiny_ckpt, tmp_path):
     bad_voices = tmp_path / "voices"
     bad_voices.mkdir()
     (bad_voices / "lonely.txt").write_text("a transcript without a reference")
@@ -546,6 +546,9 @@ def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
             (["--engine", str(engine_dir), "--timeout", "0"], "--timeout"),
             (["--engine", str(engine_dir), "--max-batch", "0"], "--max-batch"),
             (["--engine", str(engine_dir), "--precision", "fp8"], "holds bf16 engines"),
+            (["--checkpoint", str(tiny_ckpt), "--backend", "torch", "--device", "cpu", "--precision", "fp8"],
+             "does not apply"),
+            (["--engine", str(engine_dir), "--backend", "torch", "--device", "cpu"], "needs --checkpoint"),
             (["--engine", str(engine_dir), "--first-chunk", "0"], "stream sizes must be positive"),
             (["--engine", str(engine_dir), "--context", "500"], "exceeds"),
             (["--engine", str(engine_dir), "--port", str(port)], "cannot listen"),
@@ -554,6 +557,7 @@ def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tmp_path):
             r = CliRunner().invoke(main, ["serve", *args])
             assert r.exit_code == 1 and "Traceback" not in r.output, (args, r.output)
             assert r.output.strip().splitlines()[-1].startswith("Error:") and words in r.output, (args, r.output)
+            assert "listening on" not in r.output, (args, r.output)  # refused before the server starts
 
 
 def test_an_engine_that_fails_to_load_ends_the_server_with_its_error(engine_dir, tmp_path):
