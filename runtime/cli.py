@@ -73,8 +73,10 @@ def stream_plan_options(command):
     """The codec windows' sizes: `run`, `serve` and `bench stream`."""
     for option in reversed([
         click.option("--first-chunk", type=int, default=8, show_default=True,
-                     help="Frames (40 ms each) in the first chunk."),
-        click.option("--chunk", type=int, default=25, show_default=True, help="Frames in each later chunk."),
+                     help="Frames (40 ms each) in the first chunk; fewer start the audio sooner, seams still exact."),
+        click.option("--chunk", type=int, default=25, show_default=True,
+                     help="Frames in each later chunk; after a smaller first chunk they grow to it, each at most 4× "
+                          "the audio sent before it (2, 8, 25)."),
         click.option("--context", type=int,
                      help="Frames decoded before each chunk [default: the codec's receptive field]."),
         click.option("--holdback", type=int,
