@@ -394,9 +394,13 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
 @click.option("--stagger", is_flag=True,
               help="Start the clients one after another over one request's rows, so that requests end and join at "
                    "different steps, as served traffic does [default: all at once].")
+@click.option("--ref-seconds", type=float, default=0.0, show_default=True,
+              help="Voice-clone load: every prompt carries a reference of this many seconds (random codes, 25 frames "
+                   "a second) with --text as its transcript.")
 @stream_plan_options
 def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows,
-                 concurrency, requests, temperature, stagger, first_chunk, chunk, context, holdback, first_holdback):
+                 concurrency, requests, temperature, stagger, ref_seconds, first_chunk, chunk, context, holdback,
+                 first_holdback):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
     seams unless the window options say otherwise)."""
     from .bench import bench_stream as run_stream
@@ -407,12 +411,25 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     within("--rows", rows, 8, 2048)
     within("--requests", requests, 0, 100_000)
     settings = sampling(temperature, 0, 1.0, 0)
+    if not 0 <= ref_seconds <= 30:
+        raise HiggsError(f"--ref-seconds must lie in 0..30 (a reference's length), got {ref_seconds}")
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
                                      placeholder_scales)
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
-    prompt = build_prompt(tokenizer, text)
-    say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens, {rows} rows per request, "
+    if ref_seconds:
+        from .decoding import CODEBOOK_SIZE, FRAMES_PER_SECOND, NUM_CODEBOOKS
+
+        frames = round(FRAMES_PER_SECOND * ref_seconds)
+        ref_codes = np.random.default_rng(0).integers(0, CODEBOOK_SIZE, (frames, NUM_CODEBOOKS), dtype=np.int32)
+        prompt = build_prompt(tokenizer, text, ref_codes, text)
+    else:
+        prompt = build_prompt(tokenizer, text)
+    if len(prompt) > model.max_prompt:
+        raise HiggsError(f"the prompt takes {len(prompt)} tokens; this engine's prefill takes at most "
+                         f"{model.max_prompt}")
+    say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens"
+        + (f" ({ref_seconds:g} s reference)" if ref_seconds else "") + f", {rows} rows per request, "
         f"first chunk {plan.first} frames, then {plan.chunk}{'; clients staggered' if stagger else ''}")
     for c in levels:
         run_stream(model, prompt, c, c, rows, settings, plan, stagger)  # warm-up: the codec meets this level's windows

@@ -150,6 +150,23 @@ def test_bench_stream_takes_the_window_sizes_of_run(tiny_engine):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_bench_stream_carries_a_reference_on_request(tiny_engine):
+    """--ref-seconds 1: every prompt carries 25 reference frames (32 delayed rows) and a transcript; a reference
+    longer than 30 s, or one whose prompt the engine's prefill cannot take, is one error line."""
+    def prompt_tokens(*flags):
+        r = higgs("bench", "stream", "--engine", tiny_engine, "--concurrency", "1", "--requests", 1, "--rows", 16,
+                  "--text", "Hi there.", *flags)
+        assert r.returncode == 0 and "1 requests" in r.stdout, r.stderr
+        return int(re.search(r"prompt of (\d+) tokens", r.stderr)[1])
+
+    alone, cloned = prompt_tokens(), prompt_tokens("--ref-seconds", 1)
+    assert cloned - alone > 32, (alone, cloned)
+    for seconds, words in ((31, "--ref-seconds must lie in 0..30"), (20, "this engine's prefill takes at most")):
+        r = higgs("bench", "stream", "--engine", tiny_engine, "--ref-seconds", seconds)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("Error:"), r.stderr
+        assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_bench_decode_on_an_engine_with_few_slots_runs_with_the_defaults(tiny_engine):
     """The default batch sizes (1, 8, 64) are for the GPU engine; a host-driven engine with 4 slots takes 4."""
     r = higgs("bench", "decode", "--engine", tiny_engine, "--rows", 8, "--repeats", 1)
