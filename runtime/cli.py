@@ -219,8 +219,8 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
                    "rules, which end random-weight utterances at 32 repeated rows, are off).")
 @stream_plan_options
 @click.pass_context
-def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_batch, voices_dir, ref_dir, max_queue, timeout,
-          fixed_length, first_chunk, chunk, context, holdback, first_holdback):
+def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_batch, voices_dir, ref_dir, max_queue,
+          timeout, fixed_length, first_chunk, chunk, context, holdback, first_holdback):
     """Serve OpenAI's POST /v1/audio/speech (plus /v1/models, /health, /metrics) on the in-flight scheduler."""
     import math
 
@@ -245,7 +245,8 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_b
         torch_on_cpu(sources, device, precision)  # its option rules, before the server starts
     tokenizer = load_tokenizer(sources)
     voices = load_voices(voices_dir, tokenizer)  # every voice file checked before the server starts
-    thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, precision=precision, say=say),
+    thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, precision=precision,
+                                              say=say),
                           lambda: open_encoder(sources, device), tokenizer, voices, max_queue,
                           lambda strides: stream_plan(first_chunk, chunk, context, holdback, first_holdback, strides,
                                                       warn=True))
