@@ -396,8 +396,8 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
               help="Start the clients one after another over one request's rows, so that requests end and join at "
                    "different steps, as served traffic does [default: all at once].")
 @click.option("--ref-seconds", type=float, default=0.0, show_default=True,
-              help="Voice-clone load: every prompt carries a reference of this many seconds (random codes, 25 frames "
-                   "a second) with --text as its transcript.")
+              help="Voice-clone load: every prompt carries a reference of this many seconds (1 to 30; random codes, "
+                   "25 frames a second) with --text as its transcript.")
 @stream_plan_options
 def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows,
                  concurrency, requests, temperature, stagger, ref_seconds, first_chunk, chunk, context, holdback,
@@ -412,8 +412,8 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     within("--rows", rows, 8, 2048)
     within("--requests", requests, 0, 100_000)
     settings = sampling(temperature, 0, 1.0, 0)
-    if not 0 <= ref_seconds <= 30:
-        raise HiggsError(f"--ref-seconds must lie in 0..30 (a reference's length), got {ref_seconds}")
+    if not (ref_seconds == 0 or 1 <= ref_seconds <= 30):
+        raise HiggsError(f"--ref-seconds must be 0 (no reference) or lie in 1..30 (as --ref-audio's), got {ref_seconds}")
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
                                      placeholder_scales)

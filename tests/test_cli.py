@@ -152,7 +152,7 @@ def test_bench_stream_takes_the_window_sizes_of_run(tiny_engine):
 
 def test_bench_stream_carries_a_reference_on_request(tiny_engine):
     """--ref-seconds 1: every prompt carries 25 reference frames (32 delayed rows) and a transcript; a reference
-    longer than 30 s, or one whose prompt the engine's prefill cannot take, is one error line."""
+    shorter than 1 s or longer than 30 s, or one whose prompt the engine's prefill cannot take, is one error line."""
     def prompt_tokens(*flags):
         r = higgs("bench", "stream", "--engine", tiny_engine, "--concurrency", "1", "--requests", 1, "--rows", 16,
                   "--text", "Hi there.", *flags)
@@ -161,7 +161,7 @@ def test_bench_stream_carries_a_reference_on_request(tiny_engine):
 
     alone, cloned = prompt_tokens(), prompt_tokens("--ref-seconds", 1)
     assert cloned - alone > 32, (alone, cloned)
-    for seconds, words in ((31, "--ref-seconds must lie in 0..30"), (20, "this engine's prefill takes at most")):
+    for seconds, words in ((31, "lie in 1..30"), (0.5, "lie in 1..30"), (20, "this engine's prefill takes at most")):
         r = higgs("bench", "stream", "--engine", tiny_engine, "--ref-seconds", seconds)
         assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("Error:"), r.stderr
         assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
