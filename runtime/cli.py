@@ -426,9 +426,6 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
         prompt = build_prompt(tokenizer, text, ref_codes, text)
     else:
         prompt = build_prompt(tokenizer, text)
-    if len(prompt) > model.max_prompt:
-        raise HiggsError(f"the prompt takes {len(prompt)} tokens; this engine's prefill takes at most "
-                         f"{model.max_prompt}")
     say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens"
         + (f" ({ref_seconds:g} s reference)" if ref_seconds else "") + f", {rows} rows per request, "
         f"first chunk {plan.first} frames, then {plan.chunk}{'; clients staggered' if stagger else ''}")

@@ -161,7 +161,7 @@ def test_bench_stream_carries_a_reference_on_request(tiny_engine):
 
     alone, cloned = prompt_tokens(), prompt_tokens("--ref-seconds", 1)
     assert cloned - alone > 32, (alone, cloned)
-    for seconds, words in ((31, "lie in 1..30"), (0.5, "lie in 1..30"), (20, "this engine's prefill takes at most")):
+    for seconds, words in ((31, "lie in 1..30"), (0.5, "lie in 1..30"), (20, "the engine's prefill takes at most")):
         r = higgs("bench", "stream", "--engine", tiny_engine, "--ref-seconds", seconds)
         assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("Error:"), r.stderr
         assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
