@@ -404,6 +404,7 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
                  first_holdback):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
     seams unless the window options say otherwise)."""
+    from .audio import MAX_SECONDS, MIN_SECONDS
     from .bench import bench_stream as run_stream
     from .options import sampling, sizes, within
     from .prompt import build_prompt
@@ -412,8 +413,9 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     within("--rows", rows, 8, 2048)
     within("--requests", requests, 0, 100_000)
     settings = sampling(temperature, 0, 1.0, 0)
-    if not (ref_seconds == 0 or 1 <= ref_seconds <= 30):
-        raise HiggsError(f"--ref-seconds must be 0 (no reference) or lie in 1..30 (as --ref-audio's), got {ref_seconds}")
+    if not (ref_seconds == 0 or MIN_SECONDS <= ref_seconds <= MAX_SECONDS):
+        raise HiggsError(f"--ref-seconds must be 0 (no reference) or lie in {MIN_SECONDS:g}..{MAX_SECONDS:g} (as "
+                         f"--ref-audio's), got {ref_seconds}")
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
                                      placeholder_scales)
