@@ -376,7 +376,7 @@ class GpuEngine:
         self.states_copied = torch.cuda.Event() if pinned else None
         self.prompt_h = torch.zeros(rows, h, **bf16)
         self.stage = torch.zeros(cfg.num_layers, 2, rows * hkv * d, **bf16)
-        self.codec_graphs: dict = {}  # (windows, frames) → (graph, its codes input, its waveform output)
+        self.codec_graphs: dict = {}  # (windows, (frames, keep)) → (graph, its codes input, its kept waveform)
         self.codec_pool = None  # the codec graphs' memory pool, shared: they run one after another on one stream
         if graphs and dev.type == "cuda":
             self._capture_all()
@@ -485,27 +485,38 @@ class GpuEngine:
 
     @torch.inference_mode()
     def prepare_codec(self, plan: StreamPlan) -> None:
-        """The codec windows of `plan` (StreamPlan.window_lengths: the first ones' and the middle ones', whose
-        length the last one takes too) as CUDA graphs, one per window count of the decode buckets (a call of fewer
-        windows pads up to the next), for lengths not captured yet: the default plan's at start-up, another plan's
-        when a scheduler with it starts. A window of 18 frames is ~100 small kernels, 4 ms of launches when eager,
-        and a call of 64 windows of 45 frames issued eagerly kept the scheduler's loop ~12 ms from launching decode
-        steps (the GPU idled behind it)."""
+        """The codec windows of `plan` (StreamPlan.window_shapes: the first ones', the middle ones' and the last
+        one's widest) as CUDA graphs, one per window count of the decode buckets (a call of fewer windows pads up to
+        the next), for shapes not captured yet: the default plan's at start-up, another plan's when a scheduler with
+        it starts. A window of 18 frames is ~100 small kernels, 4 ms of launches when eager, and a call of 64
+        windows of 45 frames issued eagerly kept the scheduler's loop ~12 ms from launching decode steps (the GPU
+        idled behind it)."""
         if self.codec_model is None or self.codec_stream is None or not self.graphs:
             return
-        lengths = set(plan.window_lengths()) - {frames for _, frames in self.codec_graphs}
+        shapes = set(plan.window_shapes()) - {shape for _, shape in self.codec_graphs}
         if self.codec_pool is None:
             self.codec_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(self.codec_stream):
-            for frames in sorted(lengths):
+            for frames, keep in sorted(shapes):
                 for n in self.buckets:
                     codes = torch.zeros(n, self.codec_model.dims.num_quantizers, frames, dtype=torch.int64,
                                         device=self.device)
-                    self.codec_model(codes)  # warm-up outside capture (cuDNN picks its algorithms)
+                    self.codec_model(codes, keep)  # warm-up outside capture (cuDNN picks its algorithms)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, stream=self.codec_stream, pool=self.codec_pool):
-                        wave = self.codec_model(codes)
-                    self.codec_graphs[n, frames] = (graph, codes, wave)
+                        wave = self.codec_model(codes, keep)
+                    self.codec_graphs[n, (frames, keep)] = (graph, codes, wave)
+
+    def _captured_codec(self, windows: int, frames: int, keep: tuple[int, int]):
+        """(graph, codes, wave, the kept frames) of the captured codec call for this many windows of `frames` that
+        keeps the fewest frames covering `keep` (a last window's replays the widest one's), or None."""
+        bucket = self.bucket_of[windows] if windows < len(self.bucket_of) else None
+        found = [(b - a, (a, b)) for n, (f, (a, b)) in self.codec_graphs
+                 if n == bucket and f == frames and a <= keep[0] and keep[1] <= b]
+        if not found:
+            return None
+        kept = min(found)[1]
+        return (*self.codec_graphs[bucket, (frames, kept)], kept)
 
     @torch.inference_mode()
     def prefill(self, joins: list[tuple[int, Prompt, Sampling]]) -> None:
@@ -696,27 +707,29 @@ class GpuEngine:
         self.active[slot:slot + 1].fill_(0)
 
     @torch.inference_mode()
-    def codec(self, codes: np.ndarray) -> "PendingAudio | Decoded":
+    def codec(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "PendingAudio | Decoded":
         """Codec windows decoded on the codec stream while decode steps go on in the engine stream (the scheduler
-        collects the audio when it is ready): at 64 streams a call of 64 windows takes as long as about 6 steps."""
+        collects the audio when it is ready): at 64 streams a call of 64 windows takes as long as about 5 steps.
+        Only the samples that frames `keep` depend on are computed (CodecDecoder's keep)."""
         t0 = time.perf_counter()
+        windows, frames = codes.shape[0], codes.shape[-1]
+        keep = keep or (0, frames)
         if self.codec_stream is None:
-            audio = Decoded(self.codec_model(torch.from_numpy(codes)).numpy())
+            audio = Decoded(self.codec_model(torch.from_numpy(codes), keep).numpy())
         else:
-            windows = codes.shape[0]
             # pinned, so that neither copy waits for the codec stream's earlier calls
             codes = torch.from_numpy(codes).pin_memory()
             with torch.cuda.stream(self.codec_stream):
-                bucket = self.bucket_of[windows] if windows < len(self.bucket_of) else None
-                captured = self.codec_graphs.get((bucket, codes.shape[-1]))
+                captured = self._captured_codec(windows, frames, keep)
                 if captured is not None:
-                    graph, inputs, wave = captured
+                    graph, inputs, wave, kept = captured
                     inputs[:windows].copy_(codes, non_blocking=True)
                     inputs[windows:].zero_()  # padding windows: their audio is not read
                     graph.replay()
-                    wave = wave[:windows]
+                    hop = wave.shape[-1] // (kept[1] - kept[0])
+                    wave = wave[:windows, :, (keep[0] - kept[0]) * hop:(keep[1] - kept[0]) * hop]
                 else:
-                    wave = self.codec_model(codes.to(self.device, non_blocking=True))
+                    wave = self.codec_model(codes.to(self.device, non_blocking=True), keep)
                 host = torch.empty(wave.shape, dtype=wave.dtype, pin_memory=True)
                 host.copy_(wave, non_blocking=True)
                 done = torch.cuda.Event()

@@ -33,8 +33,8 @@ class TimedEngine:
     def step(self, n, rows=1):
         return self._timed("step", self.inner.step, n, rows)
 
-    def codec(self, codes):
-        return self._timed("codec", self.inner.codec, codes)
+    def codec(self, codes, keep=None):
+        return self._timed("codec", self.inner.codec, codes, keep)
 
     def rows(self, keep=0):
         return self.inner.rows(keep)

@@ -8,7 +8,8 @@ One loop, shared by every backend (the slot contract: runtime/stepper.py, builde
            waits to join or for a first chunk, the engine may decode several rows in one launch (MULTI_ROWS)
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
-  audio    codec windows that became decodable (runtime/streaming.py), windows of equal length decoded in one call;
+  audio    codec windows that became decodable (runtime/streaming.py), windows of equal shape decoded in one call
+           (the engine returns the emitted frames' audio alone);
            an engine may decode them while the next steps run (the GPU engine's codec stream): a step's audio goes
            out, in window order, once all of it is ready; a first chunk is waited for while the engine still
            runs a step (time to first audio without idling the GPU)
@@ -257,14 +258,14 @@ class Scheduler:
         return out
 
     def _decode(self, windows: list) -> None:
-        """Start decoding the windows: one codec call per window length."""
-        by_length: dict[int, list] = {}
+        """Start decoding the windows: one codec call per window length and emitted frames within it."""
+        by_shape: dict[tuple, list] = {}
         for i, (request, window) in enumerate(windows):
-            by_length.setdefault(window.stop - window.start, []).append(i)
+            by_shape.setdefault((window.stop - window.start, window.keep), []).append(i)
         calls = []
-        for group in by_length.values():
+        for (_, keep), group in by_shape.items():
             codes = np.stack([windows[i][0].utterance.frames(windows[i][1].start, windows[i][1].stop).T for i in group])
-            calls.append((group, self.engine.codec(codes)))
+            calls.append((group, self.engine.codec(codes, keep)))
         self.codec_calls += len(calls)
         self.codec_windows += len(windows)
         self.decoding.append((windows, calls))
@@ -289,7 +290,7 @@ class Scheduler:
             for (request, window), samples in zip(windows, audio):
                 if request.finished:  # cancelled (or failed) while its audio was decoding
                     continue
-                self._deliver(request, window.trim(samples))
+                self._deliver(request, samples)
                 request.emitted = window.emit_to
                 if request.utterance.done and request.emitted >= request.utterance.ready():
                     self._finish(request)

@@ -2,11 +2,12 @@
 
 The scheduler (runtime/scheduler.py) drives every backend through the same seven calls: `prefill(joins)` (a list of
 (slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n)`, `rows(keep)`,
-`release(slot)`, `codec(codes)` (a handle: `ready()`, and `result()` the audio, so that an engine may decode audio
-while it decodes rows; host-driven ones return it done, as `Decoded`), `busy()` (a launched step still runs:
-never, for a host-driven engine) and `prepare_codec(plan)` (once per scheduler, before any request: the GPU engine
-captures the plan's codec windows). The GPU engine (builder/gpu_engine.py) keeps
-each slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
+`release(slot)`, `codec(codes, keep)` (windows of equal length → a handle: `ready()`, and `result()` the audio of
+frames `keep` of each window, so that an engine may decode audio while it decodes rows, and skip the samples no
+kept one depends on; host-driven ones decode whole windows and return the kept audio done, as `Decoded`), `busy()`
+(a launched step still runs: never, for a host-driven engine) and `prepare_codec(plan)` (once per scheduler, before
+any request: the GPU engine captures the plan's codec windows). The GPU engine (builder/gpu_engine.py) keeps each
+slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
 
@@ -18,7 +19,7 @@ under the delay mask; then the end frame (decoding.find_end) and the row fed bac
 
 import numpy as np
 
-from .decoding import NO_END, NUM_CODEBOOKS, Sampling, delay_mask, find_end
+from .decoding import NO_END, NUM_CODEBOOKS, SAMPLES_PER_FRAME, Sampling, delay_mask, find_end
 from .generate import prefill_feeds, step_feeds
 from .prompt import Prompt
 from .sampling import choose_row
@@ -84,8 +85,9 @@ class HostStepper:
     def prepare_codec(self, plan) -> None:
         """Nothing to prepare: the codec graph takes any window length."""
 
-    def codec(self, codes: np.ndarray) -> "Decoded":
-        return Decoded(self.backend.codec(codes))
+    def codec(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "Decoded":
+        audio = self.backend.codec(codes)
+        return Decoded(audio if keep is None else audio[..., keep[0] * SAMPLES_PER_FRAME:keep[1] * SAMPLES_PER_FRAME])
 
 
 class Decoded:

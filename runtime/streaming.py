@@ -21,12 +21,13 @@ is decoded with up to `left` frames before and `right` after; the last window en
 one-shot decode pads too), never padded past it. It reaches back as far as a middle window is long (left + chunk +
 right frames, the extra ones real context: the same samples), so that an utterance's tail decodes at the length of
 every other window (the GPU engine's captured codec graphs; eagerly, ~100 launches) unless the whole utterance is
-shorter. `first_right` < right trades exactness of the first chunk's tail for earlier audio.
+shorter. `first_right` < right trades exactness of the first chunk's tail for earlier audio. A window's codec call
+returns the audio of its emitted frames alone (`Window.keep`), which an engine may compute without the rest.
 """
 
 from dataclasses import dataclass
 
-from .decoding import CODEC_MAX_FRAMES, SAMPLES_PER_FRAME
+from .decoding import CODEC_MAX_FRAMES
 from .errors import HiggsError
 
 RESIDUAL_DILATIONS = (1, 3, 9)
@@ -67,9 +68,10 @@ class Window:
     emit_from: int  # frames [emit_from, emit_to) are this window's audio
     emit_to: int
 
-    def trim(self, audio):
-        """The emitted frames' samples of the window's decoded audio [samples]."""
-        return audio[(self.emit_from - self.start) * SAMPLES_PER_FRAME:(self.emit_to - self.start) * SAMPLES_PER_FRAME]
+    @property
+    def keep(self) -> tuple[int, int]:
+        """The emitted frames within the window: a codec call decodes the window and returns their samples alone."""
+        return self.emit_from - self.start, self.emit_to - self.start
 
 
 @dataclass(frozen=True)
@@ -106,11 +108,15 @@ class StreamPlan:
                 emitted = window.emit_to
         return windows
 
-    def window_lengths(self) -> list[int]:
-        """The lengths of an utterance's windows once it is longer than the first few: the first chunks' (those
-        still growing, and those that start at frame 0) and the middle windows', which the last one takes."""
+    def window_shapes(self) -> list[tuple[int, tuple[int, int]]]:
+        """(frames, keep) of an utterance's windows once it is longer than the first few: the first chunks' (those
+        still growing, and those that start at frame 0) and the middle windows'; and the final ones' at their widest
+        (decoded once every frame is known, they reach back to a middle window's length: each keeps a part of all
+        but its first `left` frames)."""
         frames = self.first + 4 * self.chunk + self.left + self.right
-        return sorted({w.stop - w.start for w in self.windows(frames)})
+        middle = self.left + self.chunk + self.right
+        shapes = {(w.stop - w.start, w.keep) for w in self.windows(frames)[:-1]}
+        return sorted(shapes | {(middle, (self.left, middle))})
 
     def next_window(self, emitted: int, ready: int, final: bool) -> Window | None:
         """The next window once `ready` frames are fixed (`final`: no more will come), or None if not yet."""

@@ -207,8 +207,8 @@ class LateCodec:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def codec(self, codes):
-        self.calls.append(self.Call(self.inner.codec(codes), self.polls))
+    def codec(self, codes, keep=None):
+        self.calls.append(self.Call(self.inner.codec(codes, keep), self.polls))
         return self.calls[-1]
 
     def step(self, n, rows=1):

@@ -17,14 +17,15 @@ def codec(tiny_ckpt):
     return CodecDecoder.from_checkpoint(Checkpoint(tiny_ckpt)).double()
 
 
-def decode(codec, frames: np.ndarray) -> np.ndarray:
+def decode(codec, frames: np.ndarray, keep: tuple[int, int] | None = None) -> np.ndarray:
     with torch.no_grad():
-        return codec(torch.from_numpy(frames.T[None].astype(np.int64))).numpy()[0, 0]
+        return codec(torch.from_numpy(frames.T[None].astype(np.int64)), keep).numpy()[0, 0]
 
 
 def streamed(codec, frames: np.ndarray, plan: StreamPlan) -> np.ndarray:
-    """Frames arrive one at a time; every window due is decoded at its own length; then the final ones."""
-    out = [w.trim(decode(codec, frames[w.start:w.stop])) for w in plan.windows(len(frames))]
+    """Frames arrive one at a time; every window due is decoded at its own length, its emitted frames alone (as
+    the scheduler asks the engines); then the final ones."""
+    out = [decode(codec, frames[w.start:w.stop], w.keep) for w in plan.windows(len(frames))]
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -39,6 +40,17 @@ def test_the_receptive_field_from_the_geometry_is_the_real_one(codec):
     diff = np.flatnonzero(np.abs(decode(codec, changed) - base) > 1e-12)
     hop = 960
     assert diff.min() // hop == 30 - right and diff.max() // hop == 30 + left
+
+
+@pytest.mark.parametrize("frames, keep", [(45, (10, 35)), (45, (10, 45)), (18, (0, 8)), (43, (8, 33)), (45, (0, 45)),
+                                          (60, (30, 31)), (7, (2, 5)), (1, (0, 1)), (30, (29, 30))])
+def test_a_window_decodes_its_kept_frames_alone_as_the_whole_decode_does(codec, frames, keep):
+    """Each layer computes only the samples the kept ones depend on (in double precision: a sample computed from
+    a zero where the whole decode had a real neighbour would be off by far more than rounding)."""
+    codes = np.random.default_rng(frames).integers(0, 1024, size=(frames, 8))
+    whole = decode(codec, codes)[keep[0] * 960:keep[1] * 960]
+    got = decode(codec, codes, keep)
+    assert got.shape == whole.shape and np.abs(got - whole).max() < 1e-12 * (1 + np.abs(whole).max())
 
 
 @pytest.mark.parametrize("first", [8, 2])
@@ -70,7 +82,9 @@ def test_every_window_after_the_first_has_one_length(length):
     assert all(w.stop - w.start == min(full, w.stop) for w in windows[1:])
     assert all(a.emit_to == b.emit_from for a, b in zip(windows, windows[1:]))
     if length >= full:  # the lengths the GPU engine captures cover every window
-        assert {w.stop - w.start for w in windows} <= set(plan.window_lengths())
+        shapes = plan.window_shapes()
+        assert all(any(f == w.stop - w.start and a <= w.keep[0] and w.keep[1] <= b for f, (a, b) in shapes)
+                   for w in windows)
 
 
 @pytest.mark.parametrize("first, sizes", [(8, [8, 25, 25]), (2, [2, 8, 25]), (1, [1, 4, 20, 25]), (30, [30, 25])])
@@ -81,11 +95,15 @@ def test_chunks_grow_to_the_chunk_size_at_most_fourfold(first, sizes):
     assert emitted[:len(sizes)] == sizes and set(emitted[len(sizes):-1]) == {25} and sum(emitted) == 300
 
 
-def test_window_lengths_name_the_first_windows_and_the_middle_ones():
-    """The second window starts at frame 0 while the first chunk is shorter than the left context: 8 + 25 + 10."""
-    assert StreamPlan.exact((8, 5, 4, 2, 3)).window_lengths() == [18, 43, 45]
-    assert StreamPlan.exact((8, 5, 4, 2, 3), first=2).window_lengths() == [12, 20, 45]
-    assert StreamPlan(10, 10, first=12, first_right=4).window_lengths() == [16, 45]
+def test_window_shapes_name_the_first_windows_the_middle_ones_and_the_last():
+    """The second window starts at frame 0 while the first chunk is shorter than the left context: 8 + 25 + 10; the
+    last window keeps up to a chunk at the end of a middle window's length."""
+    assert StreamPlan.exact((8, 5, 4, 2, 3)).window_shapes() == [(18, (0, 8)), (43, (8, 33)), (45, (10, 35)),
+                                                                 (45, (10, 45))]
+    assert StreamPlan.exact((8, 5, 4, 2, 3), first=2).window_shapes() == [(12, (0, 2)), (20, (2, 10)),
+                                                                          (45, (10, 35)), (45, (10, 45))]
+    assert StreamPlan(10, 10, first=12, first_right=4).window_shapes() == [(16, (0, 12)), (45, (10, 35)),
+                                                                          (45, (10, 45))]
 
 
 def test_an_utterance_ending_by_eoc_in_its_first_rows_streams_what_it_has(codec):
