@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.streaming import conv_reads, transposed_reads
 
 from .checkpoint import Checkpoint
 
@@ -167,12 +168,13 @@ class AcousticDecoder(BlockStack):
         steps = []
         for kind, conv, snake, unit in reversed(layers):
             lo, hi = max(lo, 0), min(hi, length)
-            out = lo, hi
+            out = lo, hi  # half-open; runtime/streaming's rules take and give inclusive ends
             if kind == "transposed":
-                s, k, p = conv.stride[0], conv.kernel_size[0], conv.padding[0]
-                lo, hi, length = -(-(lo + p - k + 1) // s), (hi - 1 + p) // s + 1, length // s
+                lo, last = transposed_reads(lo, hi - 1, conv.stride[0])
+                length //= conv.stride[0]
             else:
-                lo, hi = lo - conv.padding[0], hi + conv.padding[0]
+                lo, last = conv_reads(lo, hi - 1, conv.kernel_size[0], conv.dilation[0])
+            hi = last + 1
             steps.append(CropStep(kind, conv, snake, unit, out, (lo, hi), length))
         return steps[::-1]
 
@@ -192,15 +194,15 @@ class CropStep:
         """The first input sample it is given (its reads within the window)."""
         return max(self.reads[0], 0)
 
-    def edges(self, given: int) -> tuple[int, int]:
-        """The zeros past the window's edges on each side of the `given` input samples."""
-        return self.first - self.reads[0], self.reads[1] - (self.first + given)
+    @property
+    def edges(self) -> tuple[int, int]:
+        """The zeros it reads past the window's edges, on each side of the samples it is given."""
+        return self.first - self.reads[0], max(self.reads[1] - self.length, 0)
 
 
 def _valid(step: CropStep, conv, x):
     """conv over x as forward sees it: no padding, zeros past the window's edges only."""
-    edges = step.edges(x.shape[-1])
-    return F.conv1d(F.pad(x, edges) if any(edges) else x, conv.weight, conv.bias, dilation=conv.dilation)
+    return F.conv1d(F.pad(x, step.edges) if any(step.edges) else x, conv.weight, conv.bias, dilation=conv.dilation)
 
 
 def _cropped_steps(z, steps: list[CropStep]):

@@ -726,7 +726,7 @@ class GpuEngine:
                     inputs[:windows].copy_(codes, non_blocking=True)
                     inputs[windows:].zero_()  # padding windows: their audio is not read
                     graph.replay()
-                    hop = wave.shape[-1] // (kept[1] - kept[0])
+                    hop = self.codec_model.dims.hop
                     wave = wave[:windows, :, (keep[0] - kept[0]) * hop:(keep[1] - kept[0]) * hop]
                 else:
                     wave = self.codec_model(codes.to(self.device, non_blocking=True), keep)

@@ -35,29 +35,34 @@ CONV_KERNEL = 7
 RAMP = 4  # a chunk after the first is at most RAMP × the frames emitted before it
 
 
+def conv_reads(lo: int, hi: int, k: int, d: int = 1) -> tuple[int, int]:
+    """The input samples (inclusive) a same-padded Conv1d (kernel k, dilation d) reads for outputs lo..hi."""
+    pad = d * (k - 1) // 2
+    return lo - pad, hi - pad + d * (k - 1)
+
+
+def transposed_reads(lo: int, hi: int, s: int) -> tuple[int, int]:
+    """The input samples (inclusive) the codec's ConvTranspose1d (stride s, kernel 2s, padding ⌈s/2⌉) reads for
+    outputs lo..hi."""
+    k, pad = 2 * s, -(-s // 2)
+    return -(-(lo + pad - k + 1) // s), (hi + pad) // s
+
+
 def receptive_field(strides: tuple[int, ...]) -> tuple[int, int]:
     """(left, right): latent frames before / after frame t that some sample of frame t depends on."""
     hop = 1
     for s in strides:
         hop *= s
 
-    def conv(lo, hi, k, d=1):
-        pad = d * (k - 1) // 2
-        return lo - pad, hi - pad + d * (k - 1)
-
-    def transposed(lo, hi, s):
-        k, pad = 2 * s, -(-s // 2)
-        return -(-(lo + pad - k + 1) // s), (hi + pad) // s
-
     t = 1000  # a frame far from both ends
     lo, hi = t * hop, t * hop + hop - 1
-    lo, hi = conv(lo, hi, CONV_KERNEL)  # conv2
+    lo, hi = conv_reads(lo, hi, CONV_KERNEL)  # conv2
     for s in reversed(strides):
         for d in reversed(RESIDUAL_DILATIONS):
-            branch = conv(*conv(lo, hi, 1), CONV_KERNEL, d)
+            branch = conv_reads(*conv_reads(lo, hi, 1), CONV_KERNEL, d)
             lo, hi = min(lo, branch[0]), max(hi, branch[1])
-        lo, hi = transposed(lo, hi, s)
-    lo, hi = conv(lo, hi, CONV_KERNEL)  # conv1
+        lo, hi = transposed_reads(lo, hi, s)
+    lo, hi = conv_reads(lo, hi, CONV_KERNEL)  # conv1
     return t - lo, hi - t
 
 
