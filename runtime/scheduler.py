@@ -4,8 +4,9 @@ One loop, shared by every backend (the slot contract: runtime/stepper.py, builde
 
   admit    queued requests take free slots: one prefill call for those who join (the engine may batch them; while
            others play audio, at most prefill_rows prompt rows a step), which also chooses each request's row 0
-  step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot); when nobody
-           waits to join or for a first chunk, the engine may decode several rows in one launch (MULTI_ROWS)
+  step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot); the engine
+           may decode several rows in one launch (MULTI_ROWS) unless someone waits to join or so many would run past
+           the row a request's first chunk needs
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
   audio    codec windows that became decodable (runtime/streaming.py), windows of equal shape decoded in one call
@@ -114,7 +115,8 @@ class Scheduler:
         self.occupied: list[int] = []  # the slots holding a request, ascending (kept, not scanned: host time per row)
         self.queue: deque[Request] = deque()
         self.decoding: deque[tuple[list, list]] = deque()  # a step's (windows, codec calls) whose audio is not out
-        self.urgent = True  # a request has not had its first chunk yet: one row per step
+        self.urgent = True  # a request has not had its first chunk yet: steps stop at the row it needs
+        self.unread: deque[int] = deque()  # rows asked of each launch (prefills: 1) the loop has not read yet
         self.seconds = dict.fromkeys(PHASES, 0.0)  # the loop's time by phase
         self.prefill_calls = 0
         self.polled = 0.0  # seconds the loop slept on a first chunk's codec call while the engine ran a step
@@ -176,11 +178,16 @@ class Scheduler:
         t1 = time.perf_counter()
         busy = self.occupied
         if busy:
-            self.engine.step(busy[-1] + 1, 1 if self.urgent or self.queue else MULTI_ROWS)
-        for slot, codes in self.engine.rows(keep=self.engine.lag if busy else 0):
+            rows = self._rows_per_step()
+            self.engine.step(busy[-1] + 1, rows)
+            self.unread.append(rows)
+        keep = self.engine.lag if busy else 0
+        for slot, codes in self.engine.rows(keep=keep):
             request = self.slots[slot]
             if request is not None and not request.utterance.done:
                 request.utterance.push(codes)
+        while len(self.unread) > keep:  # rows(keep) left at most `keep` launches unread
+            self.unread.popleft()
         t2 = time.perf_counter()
         windows, freed = [], False
         for slot in busy:
@@ -245,6 +252,21 @@ class Scheduler:
             self.slots[slot] = request
         self.occupied = sorted(self.occupied + [slot for slot, _ in joins])
         self.urgent = True
+        self.unread.append(1)  # each join's row 0
+
+    def _rows_per_step(self) -> int:
+        """MULTI_ROWS, unless someone waits to join, or a launch of that many rows could run past the row whose
+        codes make a request's first window due: its first audio would then wait for the rows after it. Rows still
+        unread are counted as the launches asked for them (an engine may decode fewer)."""
+        if self.queue:
+            return 1
+        if self.urgent:
+            needed = self.plan.due(0) + NUM_CODEBOOKS - 1 - sum(self.unread)  # frame t is fixed by row t + 7
+            for slot in self.occupied:
+                request = self.slots[slot]
+                if not request.planned and needed - len(request.utterance.rows) < MULTI_ROWS:
+                    return 1
+        return MULTI_ROWS
 
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""

@@ -123,10 +123,18 @@ class StreamPlan:
         shapes = {(w.stop - w.start, w.keep) for w in self.windows(frames)[:-1]}
         return sorted(shapes | {(middle, (self.left, middle))})
 
+    def _next(self, emitted: int) -> tuple[int, int]:
+        """(frames emitted, right holdback) of the window after `emitted` frames, unless the utterance ends first."""
+        size = self.first if emitted == 0 else min(self.chunk, RAMP * emitted)
+        return size, self.first_right if emitted == 0 and self.first_right is not None else self.right
+
+    def due(self, emitted: int) -> int:
+        """The fixed frames at which the window after `emitted` frames falls due (unless the utterance ends first)."""
+        return emitted + sum(self._next(emitted))
+
     def next_window(self, emitted: int, ready: int, final: bool) -> Window | None:
         """The next window once `ready` frames are fixed (`final`: no more will come), or None if not yet."""
-        size = self.first if emitted == 0 else min(self.chunk, RAMP * emitted)
-        holdback = self.first_right if emitted == 0 and self.first_right is not None else self.right
+        size, holdback = self._next(emitted)
         if final:
             size = min(size, ready - emitted)
             if size <= 0:

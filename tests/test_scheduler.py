@@ -4,7 +4,7 @@ mid-flight, cancellation frees its slot within a step, the admission queue is bo
 import numpy as np
 import pytest
 
-from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime.generate import generate
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.ort_backend import OrtBackend
@@ -141,45 +141,61 @@ def test_streamed_chunks_arrive_in_order_and_make_the_whole(engine, prompts):
 
 class SeveralRows:
     """The ORT engine decoding as many rows per step as the scheduler allows, as the GPU engine's replays of several
-    rows do; it notes what each step was allowed."""
+    rows do, and handing them out `lag` launches late, as the GPU engine does; it notes what each step was allowed."""
 
-    def __init__(self, inner):
-        self.inner, self.allowed = inner, []
+    def __init__(self, inner, lag=0):
+        self.inner, self.lag, self.allowed, self.launches = inner, lag, [], []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def prefill(self, joins):
+        self.inner.prefill(joins)
+        self.launches.append(self.inner.rows())
 
     def step(self, n, rows=1):
         self.allowed.append(rows)
         for _ in range(rows):
             self.inner.step(n)
+        self.launches.append(self.inner.rows())
+
+    def rows(self, keep=0):
+        out = []
+        while len(self.launches) > keep:
+            out += self.launches.pop(0)
+        return out
 
 
-def test_several_rows_per_step_only_once_every_request_has_its_first_chunk(engine, prompts):
+def rows_launched_at_first_audio(scheduler, request, engine):
+    steps = len(engine.allowed)
+    while request.first_audio_at is None:
+        scheduler.step()
+    return 1 + sum(engine.allowed[steps:])  # row 0 comes from the prefill
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_steps_of_several_rows_stop_at_the_row_a_first_chunk_needs(engine, prompts, lag):
+    """Before a request's first chunk, steps of several rows go up to the row that makes its first window due and
+    no further, so the chunk waits for no row after it: as many rows are launched by then as one-row steps launch."""
     alone = Scheduler(engine)
     one_row = alone.submit(request_for(engine, prompts[0], Sampling(), hard_cap=120))
     alone.run()
-    several = SeveralRows(engine)
+    several = SeveralRows(engine, lag)
     scheduler = Scheduler(several)
+    due = scheduler.plan.due(0) + NUM_CODEBOOKS - 1  # rows whose codes fix the first window's frames
     request = scheduler.submit(request_for(engine, prompts[0], Sampling(), hard_cap=120))
-    steps_to_first_chunk = 0
-    while request.first_audio_at is None:
-        scheduler.step()
-        steps_to_first_chunk += 1
+    assert rows_launched_at_first_audio(scheduler, request, several) == due + lag
+    assert len(several.allowed) < due // 2  # several rows a step before it, not one
     scheduler.run()
     assert request.utterance.rows == one_row.utterance.rows and np.array_equal(request.audio(), one_row.audio())
-    assert several.allowed[:steps_to_first_chunk] == [1] * steps_to_first_chunk  # 8 frames + holdback + delay
-    assert steps_to_first_chunk > 8 and set(several.allowed[steps_to_first_chunk:]) == {MULTI_ROWS}
+    assert several.allowed[-1] == MULTI_ROWS
 
-    # a join goes back to one row per step until it has its first chunk; a cancel frees its slot on the next step
-    several.allowed.clear()
+    # a join mid-flight: the same for its first chunk; a cancel frees its slot on the next step
     first = scheduler.submit(request_for(engine, prompts[1], Sampling(), hard_cap=200))
-    while first.first_audio_at is None:
-        scheduler.step()
+    rows_launched_at_first_audio(scheduler, first, several)
     scheduler.step()
     joined = scheduler.submit(request_for(engine, prompts[2], Sampling(), hard_cap=200))
-    scheduler.step()
-    assert several.allowed[-2:] == [MULTI_ROWS, 1]
+    assert rows_launched_at_first_audio(scheduler, joined, several) == due + lag
     scheduler.cancel(first)
     scheduler.cancel(joined)
     scheduler.step()
