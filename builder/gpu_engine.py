@@ -49,8 +49,8 @@ from .config import HiggsConfig
 from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Rows one replay may decode, per batch bucket, when the scheduler allows it (nobody waiting to join or for a first
-# chunk): the host's work per launch spread over several rows. A lone stream only, where that work is the most per row
+# Rows one replay may decode, per batch bucket, when the scheduler allows it (nobody waiting to join, and no first
+# chunk's row passed): the host's work per launch spread over several rows. A lone stream only, where that work is the most per row
 # and a join waits for the fewest slots.
 STEP_ROWS = {1: 4}
 # Prompt lengths of the captured prefills (counts: BUCKETS), 1.5× apart past 32: a wave of joins prefills in passes of
