@@ -9,6 +9,7 @@ no tanh). The checkpoint carries no codec config, so every dimension is read off
 import math
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +41,7 @@ class CodecDims:
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "CodecDims":
-        def shape(suffix: str) -> tuple[int, ...]:
-            if PREFIX + suffix not in ckpt:
-                raise HiggsError(f"{ckpt.dir}: codec tensor {PREFIX + suffix} not found")
-            return ckpt.shape(PREFIX + suffix)
-
-        def count(pattern: str) -> int:
-            found = {int(m.group(1)) for n in ckpt.names() if (m := re.fullmatch(PREFIX + pattern, n))}
-            return max(found) + 1 if found else 0
-
+        shape, count = partial(codec_shape, ckpt), partial(codec_count, ckpt)
         n_q = count(r"quantizer\.quantizers\.(\d+)\.codebook\.embed")
         n_blocks = count(r"acoustic_decoder\.block\.(\d+)\.conv_t1\.weight")
         if n_q == 0 or n_blocks == 0:
@@ -64,6 +57,20 @@ class CodecDims:
             channels.append(c_out)
             strides.append(kernel // 2)
         return cls(n_q, size, dim, latent, acoustic, tuple(channels), tuple(strides))
+
+
+def codec_shape(ckpt: Checkpoint, suffix: str, part: str = "codec") -> tuple[int, ...]:
+    """The shape of the codec's tensor PREFIX + suffix; missing, an error that names `part`."""
+    if PREFIX + suffix not in ckpt:
+        raise HiggsError(f"{ckpt.dir}: {part} tensor {PREFIX + suffix} not found")
+    return ckpt.shape(PREFIX + suffix)
+
+
+def codec_count(ckpt: Checkpoint, pattern: str) -> int:
+    """How many blocks the codec's tensor names number: 1 + the largest index that `pattern`'s group matches after
+    PREFIX (0 if none does)."""
+    found = {int(m.group(1)) for n in ckpt.names() if (m := re.fullmatch(re.escape(PREFIX) + pattern, n))}
+    return max(found) + 1 if found else 0
 
 
 class Snake(nn.Module):

@@ -18,8 +18,8 @@ residual dilations (1, 1).
 """
 
 import math
-import re
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from higgs_trt.runtime.audio import SEMANTIC_PAD, SEMANTIC_RATE, SAMPLE_RATE, ac
 from higgs_trt.runtime.errors import HiggsError
 
 from .checkpoint import Checkpoint
-from .codec import DILATIONS, PREFIX, BlockStack, Codebook, ResidualUnit, Snake
+from .codec import DILATIONS, PREFIX, BlockStack, Codebook, ResidualUnit, Snake, codec_count, codec_shape
 
 HUBERT_CONV = ((10, 5), (3, 2), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2))  # (kernel, stride) of HuBERT's feature encoder
 HEAD_DIM = 64  # HuBERT base and large
@@ -89,14 +89,7 @@ class EncoderDims:
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "EncoderDims":
-        def shape(suffix: str) -> tuple[int, ...]:
-            if PREFIX + suffix not in ckpt:
-                raise HiggsError(f"{ckpt.dir}: codec encoder tensor {PREFIX + suffix} not found")
-            return ckpt.shape(PREFIX + suffix)
-
-        def count(pattern: str) -> int:
-            found = {int(m.group(1)) for n in ckpt.names() if (m := re.fullmatch(re.escape(PREFIX) + pattern, n))}
-            return max(found) + 1 if found else 0
+        shape, count = partial(codec_shape, ckpt, part="codec encoder"), partial(codec_count, ckpt)
 
         def broken(what: str) -> HiggsError:
             return HiggsError(f"{ckpt.dir}: codec encoder: {what}")
