@@ -15,7 +15,8 @@ import torch
 from higgs_trt.plugins.bench import copy_bandwidth, graph_ms
 
 from .config import HiggsConfig
-from .gpu_engine import TUNED, GpuEngine, Linear, TileConfig, Workspace, default_tiles
+from .gpu_engine import GpuEngine, Workspace
+from .gpu_linear import TUNED, Linear, TileConfig, default_tiles
 from .model import HiggsLM
 
 REPS = 30

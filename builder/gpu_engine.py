@@ -29,13 +29,12 @@ prompt alone replays the captured graph of its length bucket.
 
 import time
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from higgs_trt.calibration.qdq import bf16_scale, fake_quantize_weight, quantize_weight
+from higgs_trt.calibration.qdq import fake_quantize_weight
 from higgs_trt.plugins import kernels as plugin_kernels
 from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime import extras
@@ -45,6 +44,7 @@ from higgs_trt.runtime.stepper import Decoded
 from higgs_trt.runtime.streaming import StreamPlan
 
 from . import gpu_kernels
+from .gpu_linear import FP8_CODES, Linear
 from .config import HiggsConfig
 from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
@@ -67,12 +67,6 @@ ATTENTION_WARPS = 4
 # that L2 does not keep: 3.522 → 3.691 and 4.130 → 4.426; B=8 no gain (2.048 → 2.061).
 ATTENTION_PREFETCH_ROWS = 4
 PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention program
-SHARED_MEMORY = 200 * 1024  # of the H200's 227 KiB per block, leaving room for the compiler's own
-# FP8 products one wgmma instruction sums in the tensor core's reduced precision before fp32 (plugins/kernels.mma):
-# 32, each instruction's K. 0 would keep every sum in fp32 but makes Triton multiply FP8 as f16 with mma.sync,
-# which measured 9.1 against 7.5 ms for a B=64 FP8 step on the H200.
-FP8_SPAN = 32
-FP8_CODES = torch.float8_e4m3fn
 _claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
 
 
@@ -114,130 +108,6 @@ def prefill_passes(lengths: list[int], pass_rows: int, captured: dict[int, int])
             count, longest = 0, 0
         count, longest = count + 1, max(longest, n)
     return passes + [count] if count else passes
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_n: int
-    block_k: int
-    split_k: int
-    warps: int = 4
-    stages: int = 4
-    in_program_from: int = 64  # x rows per product (16/32/64) from which the K ranges run in one program
-    rows: int = 64  # the most x rows per product; more rows go to more programs
-    persistent: int = 0  # split programs: this many per multiprocessor, each taking every n-th unit (0: one per unit)
-    wide: "TileConfig | None" = None  # the tiles for 17 to 64 rows of x (a decode step's batch)
-    prefill: "TileConfig | None" = None  # the tiles of every prefill pass, whatever its rows
-
-    def __post_init__(self):
-        # A row's numbers depend on the K ranges and on the MMA instruction (16 or 32 weight rows: mma.sync; 64 or
-        # more: Hopper's wgmma), nothing else: the wide tiles may change anything but those. The prefill tiles may
-        # change those too: a prompt's rows are only ever summed by a prefill and every prefill takes them (one
-        # prompt or many, any number of rows), so prefills agree with each other, decode steps with each other.
-        if self.wide is not None and (self.wide.split_k != self.split_k
-                                      or (self.wide.block_n >= 64) != (self.block_n >= 64)):
-            raise ValueError(f"tiles {self.wide} would sum rows differently from {self}")
-        for other in (self.wide, self.prefill):
-            if other is not None and (other.wide or other.prefill):
-                raise ValueError(f"tiles {other} nest tiles of their own")
-
-    def for_rows(self, m: int, prefill: bool = False) -> "TileConfig":
-        if prefill and self.prefill is not None:
-            return self.prefill
-        return self.wide if self.wide is not None and m > 16 else self
-
-
-def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig:
-    """Enough programs for every SM several times over (a GEMV is bound by its weight read), 16 weight rows
-    each, K split when the columns alone give too few programs. `higgs-trt bench linear` measures alternatives.
-    On the CPU (Triton's interpreter, tests only) few large programs are fastest."""
-    if device == "cpu":
-        return TileConfig(64, 64, 1)
-    block_n = 16
-    split = 1
-    while (n // block_n) * split < 512 and split < 8:
-        split *= 2
-    return TileConfig(block_n, 512 if fp8 else 256, split)
-
-
-# Measured on the H200 (`higgs-trt bench linear`, 2026-11-30); shapes not listed use default_tiles. (N, K, fp8) →
-# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on. `prefill`: the tiles of every prefill pass (wgmma, the
-# whole K in one program, 128 or 256 rows of x per product; `bench linear --tiles prefill`, 2026-12-01), µs at M =
-# 2048 / 64 against the decode tiles' family that prefills used before.
-TUNED: dict[tuple[int, int, bool], TileConfig] = {
-    # gate|up: 27.9 / 28.2 / 30.9 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before, 32 weight rows, persistent,
-    # wide ones: 30.6 / 31.1 / 38.4); prefill 361 / 31.5 (576.7 / 39.9)
-    (9728, 2560, False): TileConfig(64, 64, 1, 4, 4, prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
-    # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
-    # prefill 367.3 / 24.3 (477.2 / 29.6)
-    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(128, 128, 1, 8, 4),
-                                   prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
-    # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 211.7 / 51.4 (238.0 / 58.2)
-    (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
-    # 10.8 / 19.1; prefills keep these: 186.4 / 18.9 (the best whole-K tiles 160.1 / 37.0: 20 programs at 64 rows)
-    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),
-    # q|k|v: 11.2 / 11.1 / 12.2 at M = 1 / 8 / 64 (2026-12-01; K in 4 ranges before: 11.6 / 11.7 / 15.4); prefill
-    # 102.1 / 17.1 (142.3 / 20.5)
-    (6144, 2560, False): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 4),
-                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=256)),
-    # 8.5 / 8.4 / 10.7 (K in 4 ranges before: 8.5 / 8.7 / 13.4); prefill 97.1 / 12.8 (124.1 / 17.5)
-    (6144, 2560, True): TileConfig(64, 256, 1, 4, 4, wide=TileConfig(64, 256, 1, 4, 3),
-                                   prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
-    # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 105.0 / 21.0 (114.4 / 30.3)
-    (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(64, 64, 1, 8, 4, rows=256)),
-    # 7.8 / 12.8; prefill 71.2 / 17.6 (138.5 / 14.1)
-    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
-    # audio head: 14.9 / 16.2 (the narrow tiles at 64 rows: 20.7)
-    (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128, wide=TileConfig(64, 128, 2, 4, 4, 16, rows=32)),
-}
-
-
-class Linear:
-    """One weight [N, K] (bf16, or FP8 with a scale per row) with its tile shape; `up` makes it the gated pair."""
-
-    def __init__(self, weight: torch.Tensor, up: torch.Tensor | None = None, act_amax: float | None = None):
-        self.n, self.k = weight.shape
-        device = weight.device.type
-        self.fp8 = act_amax is not None
-        self.x_scale = float(bf16_scale(act_amax)) if self.fp8 else 1.0
-        self.weight, self.scale = self._store(weight)
-        self.up, self.up_scale = self._store(up) if up is not None else (None, None)
-        self.tiles = TUNED.get((self.n, self.k, self.fp8)) or default_tiles(self.n, self.k, self.fp8, device)
-
-    def _store(self, w: torch.Tensor):
-        if not self.fp8:
-            return w.to(torch.bfloat16).contiguous(), None
-        w8, scale = quantize_weight(w)
-        return w8.contiguous(), scale.to(w.device)
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, m: int, workspace: "Workspace",
-                 residual: bool = False, tiles: TileConfig | None = None, out_scale: float = 1.0,
-                 prefill: bool = False) -> None:
-        """out[:m] = x[:m] Wᵀ (gated: silu(x Gᵀ)·(x Uᵀ); residual: out[:m] += ...), every row summed in the same K
-        order whatever m is: the decode tiles' order, or with `prefill` the prefill tiles' (TileConfig). An FP8 x
-        holds codes at this linear's activation scale; an FP8 out gets codes at out_scale."""
-        t = (tiles or self.tiles).for_rows(m, prefill)
-        rows = min(t.rows, max(16, 1 << (m - 1).bit_length()))  # x rows per product: 16 to the tiles' rows (64; 256)
-        in_program = t.split_k > 1 and (rows >= t.in_program_from or m > rows)
-        persistent = bool(t.persistent) and not in_program and m <= rows  # its units hold every row of x
-        if persistent:
-            grid = (min(-(-self.n // t.block_n) * t.split_k, workspace.sms * t.persistent),)
-        else:
-            grid = (-(-m // rows), -(-self.n // t.block_n), 1 if in_program else t.split_k)
-        # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
-        stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
-        stages = max(2, min(t.stages, SHARED_MEMORY // stage))
-        gpu_kernels.linear[grid](
-            x, self.weight, self.up if self.up is not None else self.weight,
-            self.scale if self.fp8 else x, self.up_scale if self.up_scale is not None else x,
-            out, out, workspace.partials, workspace.tickets, m, self.x_scale, out_scale,
-            N=self.n, K=self.k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, ROWS=rows,
-            FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
-            SPLITS_IN_PROGRAM=in_program, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0,
-            X_FP8=x.dtype == FP8_CODES, OUT_FP8=out.dtype == FP8_CODES, PERSISTENT=persistent,
-            launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages)
 
 
 class Workspace:

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 def test_tile_sweeps_run_through_every_shape_and_leave_valid_tiles(monkeypatch):
     from higgs_trt.builder import gpu_bench
     from higgs_trt.builder.config import HIGGS_V3
-    from higgs_trt.builder.gpu_engine import TileConfig
+    from higgs_trt.builder.gpu_linear import TileConfig
 
     def fake_time(n, k, gated, fp8, tiles, m, copies, prefill=False):  # any order of candidates, the same in every run
         return (hash((n, k, fp8, tiles, m)) % 997 + 1) * 1e-3
@@ -36,7 +36,7 @@ def test_tile_sweeps_run_through_every_shape_and_leave_valid_tiles(monkeypatch):
 
 
 def test_tile_configs_keep_a_decode_rows_sums_and_let_prefills_choose_theirs():
-    from higgs_trt.builder.gpu_engine import TileConfig
+    from higgs_trt.builder.gpu_linear import TileConfig
 
     narrow = TileConfig(32, 256, 1)
     assert narrow.for_rows(20) is narrow and narrow.for_rows(20, prefill=True) is narrow

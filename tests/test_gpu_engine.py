@@ -29,7 +29,8 @@ def exact_linear(x, lin):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("shape", ["qkv", "o", "gate_up", "down"])
 def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
-    from higgs_trt.builder.gpu_engine import Linear, Workspace
+    from higgs_trt.builder.gpu_engine import Workspace
+    from higgs_trt.builder.gpu_linear import Linear
 
     n, k, gated = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, False), "o": (HIDDEN, HQ * D, False),
                    "gate_up": (INTER, HIDDEN, True), "down": (HIDDEN, INTER, False)}[shape]
@@ -41,7 +42,7 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
     x = torch.randn(200, k, device="cuda", generator=g).bfloat16()
     ref, gate, up_sum = exact_linear(x, lin)
     rounding = 2 ** -6 if gated else 2 ** -7  # half an ulp per bf16 rounding: one, or four when gated
-    # FP8 wgmma sums each instruction's 32 products in the tensor core's reduced precision (gpu_engine.FP8_SPAN):
+    # FP8 wgmma sums each instruction's 32 products in the tensor core's reduced precision (gpu_linear.FP8_SPAN):
     # H200, these operands: up to 1.7e-3 beyond the roundings at outputs of about unit size
     slack = 4e-3 if fp8 else 1e-3
     bound = ref.abs() * rounding + slack

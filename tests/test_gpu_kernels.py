@@ -171,7 +171,8 @@ def test_engine_linear_dispatch_computes_every_row_with_each_tile_kind():
     prefill calls of 1 to 100 rows; every row is right, and a row's numbers are the same at one row and among 100,
     decode with decode, prefill with prefill."""
     run(LINEAR + """
-from higgs_trt.builder.gpu_engine import Linear, TileConfig, Workspace
+from higgs_trt.builder.gpu_engine import Workspace
+from higgs_trt.builder.gpu_linear import Linear, TileConfig
 k, n = 96, 64
 w = (torch.randn(n, k) / k ** 0.5).bfloat16()
 up = (torch.randn(n, k) / k ** 0.5).bfloat16()
@@ -198,7 +199,8 @@ for fp8 in (False, True):
 
 def test_quantize_rows_gives_the_codes_an_fp8_linear_makes_of_bf16_rows():
     run(LINEAR + """
-from higgs_trt.builder.gpu_engine import Linear, Workspace
+from higgs_trt.builder.gpu_engine import Workspace
+from higgs_trt.builder.gpu_linear import Linear
 k, n, m = 96, 64, 7
 w = (torch.randn(n, k) / k ** 0.5).bfloat16()
 x = torch.randn(m, k).bfloat16()
@@ -492,7 +494,7 @@ def test_fp8_engine_follows_the_ort_fp8_twin_teacher_forced(tiny_fp8_engine, tin
     against the fp32 twin gives 0.9998). So: mean ≥ 0.999, every step ≥ 0.997, and nearer the FP8 twin
     than the bf16 twin at the prompt's row (where FP8 moves the logits most: the twins differ by 0.996 there) and
     on average. On the CPU the engine's sums are exact (interpreter); on the H200 each wgmma sums 32 FP8 products in
-    reduced precision (gpu_engine.FP8_SPAN)."""
+    reduced precision (gpu_linear.FP8_SPAN)."""
     run(f"""
 from pathlib import Path
 from higgs_trt.builder.engine_weights import EngineWeights
