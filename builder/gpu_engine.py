@@ -50,8 +50,8 @@ from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Rows one replay may decode, per batch bucket, when the scheduler allows it (nobody waiting to join, and no first
-# chunk's row passed): the host's work per launch spread over several rows. A lone stream only, where that work is the most per row
-# and a join waits for the fewest slots.
+# chunk held up by the rows after the one it needs): the host's work per launch spread over several rows. A lone
+# stream only, where that work is the most per row and a join waits for the fewest slots.
 STEP_ROWS = {1: 4}
 # Prompt lengths of the captured prefills (counts: BUCKETS), 1.5× apart past 32: a wave of joins prefills in passes of
 # these shapes only (prefill_passes), so a bucket's padding is paid by every prompt of a wave (41 rows: 48, not 64).

@@ -261,7 +261,7 @@ class Scheduler:
         if self.queue:
             return 1
         if self.urgent:
-            needed = self.plan.due(0) + NUM_CODEBOOKS - 1 - sum(self.unread)  # frame t is fixed by row t + 7
+            needed = Utterance.rows_needed(self.plan.due(0)) - sum(self.unread)
             for slot in self.occupied:
                 request = self.slots[slot]
                 if not request.planned and needed - len(request.utterance.rows) < MULTI_ROWS:
