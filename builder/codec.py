@@ -3,7 +3,9 @@
 RVQ: Σ_i project_out_i(codebook_i[codes_i]) → fc2 → DAC decoder (conv1, 5 upsampling blocks of Snake +
 ConvTranspose(k=2s, stride s, padding ceil(s/2), output_padding s%2) + 3 dilated residual units, Snake, conv2;
 no tanh). The checkpoint carries no codec config, so every dimension is read off the tensors' shapes under
-`tied.embedding.modality_embeddings.0.model.`; encoder-side tensors are never read.
+`tied.embedding.modality_embeddings.0.model.`; encoder-side tensors are never read. A streaming window (forward
+with `keep`) is decoded cropped, in channels-last rows [B, T, C] (AcousticDecoder.cropped); the whole decode, which
+ONNX export traces, keeps the modules' [B, C, T].
 """
 
 import math
@@ -92,7 +94,25 @@ def _snake_on_gpu(x, alpha):
     x = x.contiguous()
     out = torch.empty_like(x)
     b, c, t = x.shape
-    snake[(b * c, -(-t // SNAKE_BLOCK))](x, alpha.contiguous(), out, c, t, BLOCK=SNAKE_BLOCK)
+    snake[(b, -(-c * t // SNAKE_BLOCK))](x, alpha, alpha, out, c * t, c * t, c, t, HAS_BIAS=False, BLOCK=SNAKE_BLOCK)
+    return out
+
+
+def snake_rows(x, alpha, bias=None):
+    """Snake of x + bias over channels-last rows x [B, T, C] (bias: the previous convolution's, not added yet), into
+    a new packed [B, T, C]."""
+    b, t, c = x.shape
+    if not x.is_cuda:
+        v = x if bias is None else x + bias
+        a = alpha.reshape(-1)
+        return v + (a + 1e-9).reciprocal() * torch.sin(a * v).pow(2)
+    from .gpu_kernels import snake
+
+    if x.stride(2) != 1 or x.stride(1) != c:
+        x = x.contiguous()
+    out = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
+    snake[(b, -(-t * c // SNAKE_BLOCK))](x, alpha, alpha if bias is None else bias, out, x.stride(0), t * c, c, 1,
+                                         HAS_BIAS=bias is not None, BLOCK=SNAKE_BLOCK)
     return out
 
 
@@ -154,14 +174,15 @@ class AcousticDecoder(BlockStack):
         self.conv2 = nn.Conv1d(dims.channels[-1], 1, kernel_size=7, padding=3)
 
     def cropped(self, z, keep: tuple[int, int]):
-        """The samples of frames [keep[0], keep[1]) of forward(z), each layer computing only the samples the layers
-        after it read for them: the interval is walked back from the output through every kernel, dilation and
-        stride (as runtime/streaming.receptive_field walks one frame's), and each convolution runs without padding
-        over exactly its interval, padded with zeros only where the interval passes the window's edges — where
-        forward pads too — so the kept samples are forward's. The context frames of a streaming window matter
-        to the first, low-rate layers only: for Higgs' codec a middle window (45 frames, 25 kept) takes 0.62 of
-        forward's arithmetic, a first one (18 frames, 8 kept) 0.52 (H200, 64 middle windows: 24.6 → 16.8 ms)."""
-        return _cropped_steps(z, self.crop_plan(z.shape[-1], keep))
+        """The samples of frames [keep[0], keep[1]) of forward(z), given z as channels-last rows [B, T, C], each
+        layer computing only the samples the layers after it read for them: the interval is walked back from the
+        output through every kernel, dilation and stride (as runtime/streaming.receptive_field walks one frame's),
+        and each convolution runs without padding over exactly its interval, padded with zeros only where the
+        interval passes the window's edges — where forward pads too — so the kept samples are forward's. The
+        context frames of a streaming window matter to the first, low-rate layers only: for Higgs' codec a middle
+        window (45 frames, 25 kept) takes 0.62 of forward's arithmetic, a first one (18 frames, 8 kept) 0.52 (H200,
+        64 middle windows: 24.6 → 16.8 ms; in channels-last rows with the biases carried, 11.2 ms)."""
+        return _cropped_steps(z, self.crop_plan(z.shape[1], keep))
 
     def crop_plan(self, frames: int, keep: tuple[int, int]) -> list["CropStep"]:
         """cropped()'s steps, first to last, each with the samples it outputs and those it reads."""
@@ -207,25 +228,43 @@ class CropStep:
         return self.first - self.reads[0], max(self.reads[1] - self.length, 0)
 
 
-def _valid(step: CropStep, conv, x):
-    """conv over x as forward sees it: no padding, zeros past the window's edges only."""
-    return F.conv1d(F.pad(x, step.edges) if any(step.edges) else x, conv.weight, conv.bias, dilation=conv.dilation)
+def _conv_rows(conv, x, edges=(0, 0)):
+    """conv (no bias) over channels-last rows x [B, T, C] → [B, T', C'], zeros past the window's edges: as an NHWC
+    image of height 1, the layout cuDNN's tensor-core convolutions read and write (NCW input costs a transpose each
+    way around every convolution)."""
+    if any(edges):
+        x = F.pad(x, (0, 0, *edges))
+    image, weight = x.transpose(1, 2).unsqueeze(2), conv.weight.unsqueeze(2)
+    if isinstance(conv, nn.ConvTranspose1d):
+        y = F.conv_transpose2d(image, weight, stride=(1, conv.stride[0]))
+    else:
+        y = F.conv2d(image, weight, dilation=(1, conv.dilation[0]))
+    return y.squeeze(2).transpose(1, 2)
 
 
 def _cropped_steps(z, steps: list[CropStep]):
-    x = z[..., steps[0].first:min(steps[0].reads[1], steps[0].length)]
+    """The steps over channels-last rows z [B, T, C] → [B, 1, samples]. A convolution's bias is not added by a pass
+    of its own: it is carried (`bias`) into the Snake that reads the sum next, and a residual unit's 1×1 bias into
+    the sum's carried bias; the output adds what is left."""
+    x, bias = z[:, steps[0].first:min(steps[0].reads[1], steps[0].length)], None
     for step in steps:
         if step.kind == "transposed":
-            y = F.conv_transpose1d(step.snake(x), step.conv.weight, step.conv.bias, stride=step.conv.stride)
-            origin = step.first * step.conv.stride[0] - step.conv.padding[0]  # the sample y[..., 0] is
-            x = y[..., step.out[0] - origin:step.out[1] - origin]
+            y = _conv_rows(step.conv, snake_rows(x, step.snake.alpha, bias))
+            origin = step.first * step.conv.stride[0] - step.conv.padding[0]  # the sample y[:, 0] is
+            x, bias = y[:, step.out[0] - origin:step.out[1] - origin], step.conv.bias
         elif step.kind == "residual":
             unit = step.unit
-            branch = unit.conv2(unit.snake2(_valid(step, step.conv, step.snake(x))))
-            x = x[..., step.out[0] - step.first:step.out[1] - step.first] + branch
+            inner = _conv_rows(unit.conv1, snake_rows(x, unit.snake1.alpha, bias), step.edges)
+            branch = _conv_rows(unit.conv2, snake_rows(inner, unit.snake2.alpha, unit.conv1.bias))
+            branch += x[:, step.out[0] - step.first:step.out[1] - step.first]
+            x, bias = branch, unit.conv2.bias if bias is None else bias + unit.conv2.bias
         else:
-            x = _valid(step, step.conv, x if step.snake is None else step.snake(x))
-    return x
+            if step.snake is not None:
+                x = snake_rows(x, step.snake.alpha, bias)
+            elif bias is not None:
+                x = x + bias
+            x, bias = _conv_rows(step.conv, x, step.edges), step.conv.bias
+    return (x + bias).transpose(1, 2)
 
 
 class CodecDecoder(nn.Module):
@@ -247,16 +286,26 @@ class CodecDecoder(nn.Module):
         model.load_state_dict({n[len(PREFIX):]: t.float() for n, t in weights.items()}, assign=True)
         return model.eval()
 
+    def channels_last(self) -> "CodecDecoder":
+        """The decoder's convolution weights laid out channels last ([out, k, in] in memory; [in, k, out] for the
+        transposed ones), as the cropped decode's convolutions read them (else cuDNN copies every weight each call).
+        Values and shapes stay."""
+        for conv in self.acoustic_decoder.modules():
+            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
+                weight = conv.weight.detach().transpose(1, 2).contiguous().transpose(1, 2)
+                conv.weight = nn.Parameter(weight, requires_grad=False)
+        return self
+
     def forward(self, codes, keep: tuple[int, int] | None = None):
         """codes [B, Q, T] int (0..1023) → waveform [B, 1, hop·T] fp32; with keep = (a, b) the samples of frames
         [a, b) only, [B, 1, hop·(b − a)], computed without the rest (AcousticDecoder.cropped)."""
         latent = 0
         for i, q in enumerate(self.quantizer.quantizers):
             latent = latent + _linear(F.embedding(codes[:, i], q.codebook.embed), q.project_out)
-        z = _linear(latent, self.fc2).transpose(1, 2)
+        rows = _linear(latent, self.fc2)  # [B, T, C]: channels last
         if keep is None:
-            return self.acoustic_decoder(z)
-        return self.acoustic_decoder.cropped(z, keep)
+            return self.acoustic_decoder(rows.transpose(1, 2))
+        return self.acoustic_decoder.cropped(rows, keep)
 
 
 def _linear(x, layer: nn.Linear):

@@ -636,7 +636,7 @@ def load_gpu_engine(source, *, max_seq: int, max_batch: int, max_prompt: int, ac
     extras.require_cuda("the GPU engine")
     cfg = source.config
     tensors = source.take(HiggsLM.expected_tensors(cfg), "language model")
-    codec = CodecDecoder.from_checkpoint(source).to("cuda")
+    codec = CodecDecoder.from_checkpoint(source).channels_last().to("cuda")
     say(f"  capturing decode graphs for batches {', '.join(map(str, [b for b in BUCKETS if b < max_batch] + [max_batch]))}…")
     return GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=act_amax,
                      codec=codec)

@@ -276,12 +276,18 @@ def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq,
 
 
 @triton.jit
-def snake(x, alpha, out, C, T, BLOCK: tl.constexpr):
-    """The codec's Snake activation in one pass (eager torch makes five passes over the tensor): x + sin(αx)² / (α +
-    1e-9), α per channel, x [B, C, T] fp32. Grid (B·C, ⌈T / BLOCK⌉)."""
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    a = tl.load(alpha + row % C)
-    v = tl.load(x + row * T + t, mask=t < T, other=0.0)
+def snake(x, alpha, bias, out, batch_stride, n, C, inner, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """The codec's Snake activation in one pass (eager torch makes five passes over the tensor): v + sin(αv)² / (α +
+    1e-9), α per channel, v = x (+ bias per channel, a convolution's bias not yet added), fp32. Each of the B
+    batch items holds n elements from x + b·batch_stride on (out: packed), channel (i // inner) % C: inner = T for
+    [B, C, T], 1 for channels last [B, T, C]. Grid (B, ⌈n / BLOCK⌉)."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    c = (i // inner) % C
+    a = tl.load(alpha + c)
+    v = tl.load(x + b * batch_stride + i, mask=inside, other=0.0)
+    if HAS_BIAS:
+        v += tl.load(bias + c)
     s = tl.sin(a * v)  # libdevice sinf, not an approximation (checked in the PTX)
-    tl.store(out + row * T + t, v + (1.0 / (a + 1e-9)) * (s * s), mask=t < T)
+    tl.store(out + b * n + i, v + (1.0 / (a + 1e-9)) * (s * s), mask=inside)

@@ -153,7 +153,7 @@ def open_engine(ckpt_dir, max_batch=8, amax=None):
 
 def test_captured_codec_windows_equal_the_eager_codec(tiny):
     """The engine replays a CUDA graph per window count bucket for the default plan's four window shapes (frames,
-    kept frames): the kept samples of the whole eager decode, for fresh codes at each call (the graph reads its
+    kept frames): the kept samples of the same call made eagerly, for fresh codes at each call (the graph reads its
     input buffer, not the codes it was captured with), for a count padded up to its bucket (3 windows in the graph
     of 4), and for a last window keeping fewer frames than the graph it replays; and within TF32's rounding of the
     whole window decoded by torch's modules (cuDNN)."""
@@ -166,8 +166,10 @@ def test_captured_codec_windows_equal_the_eager_codec(tiny):
         kept = engine._captured_codec(windows, frames, keep)[-1]
         codes = rng.integers(0, 1024, (windows, engine.codec_model.dims.num_quantizers, frames))
         got = engine.codec(codes, keep).result()
-        with torch.inference_mode():  # the replayed shape's samples: another crop rounds its TF32 products otherwise
-            eager = engine.codec_model(torch.from_numpy(codes).cuda(), kept).cpu().numpy()
+        padded = np.zeros((engine.bucket_of[windows], *codes.shape[1:]), codes.dtype)  # as the engine pads a call
+        padded[:windows] = codes
+        with torch.inference_mode():  # the replayed call's shape: cuDNN's TF32 roundings depend on crop and count
+            eager = engine.codec_model(torch.from_numpy(padded).cuda(), kept).cpu().numpy()[:windows]
             eager = eager[..., (keep[0] - kept[0]) * 960:(keep[1] - kept[0]) * 960]
             whole = engine.codec_model(torch.from_numpy(codes).cuda()).cpu().numpy()[..., keep[0] * 960:keep[1] * 960]
         assert got.shape == eager.shape and np.abs(got - eager).max() <= 1e-5 * (1 + np.abs(eager).max()), (frames, keep)

@@ -241,15 +241,22 @@ assert row.tolist() == [2, 2, 4, 4] and end.tolist() == [7, 1 << 40, 9, 1 << 40]
 
 def test_snake_in_one_pass_equals_the_codec_formula():
     """The GPU codec's Snake (one Triton pass) against the module's torch formula, which ONNX export and the CPU
-    run; T not a multiple of the block, and channels with their own alpha."""
+    run: over [B, C, T] (T not a multiple of the block, channels with their own alpha), and over channels-last rows
+    [B, T, C] taken from a longer window (the batch stride is not the rows') with a bias per channel added first."""
     run("""
 from higgs_trt.builder.codec import Snake
 snake = Snake(6)
 snake.alpha.data = torch.rand(1, 6, 1) * 2 + 0.05
 x = torch.randn(3, 6, 1500) * 4
 out = torch.empty_like(x)
-gpu_kernels.snake[(18, 2)](x, snake.alpha, out, 6, 1500, BLOCK=1024)
+gpu_kernels.snake[(3, 9)](x, snake.alpha, snake.alpha, out, 6 * 1500, 6 * 1500, 6, 1500, HAS_BIAS=False, BLOCK=1024)
 ref = snake(x)
+assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref).abs().max())
+bias = torch.randn(6)
+rows = (torch.randn(3, 1700, 6) * 4)[:, 100:1600]
+out = torch.empty(3, 1500, 6)
+gpu_kernels.snake[(3, 9)](rows, snake.alpha, bias, out, 1700 * 6, 1500 * 6, 6, 1, HAS_BIAS=True, BLOCK=1024)
+ref = snake((rows + bias).transpose(1, 2)).transpose(1, 2)
 assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref).abs().max())
 """)
 
