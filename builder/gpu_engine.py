@@ -49,6 +49,9 @@ from .config import HiggsConfig
 from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Windows per captured codec call (a call of fewer pads up to the next): finer than BUCKETS, since a served level's
+# joins arrive spread out and their windows meet in calls of 14–21 (H200, 64 streams), which BUCKETS pad to 16 or 32.
+CODEC_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # Rows one replay may decode, per batch bucket, when the scheduler allows it (nobody waiting to join, and no first
 # chunk held up by the rows after the one it needs): the host's work per launch spread over several rows. A lone
 # stream only, where that work is the most per row and a join waits for the fewest slots.
@@ -68,6 +71,12 @@ ATTENTION_WARPS = 4
 ATTENTION_PREFETCH_ROWS = 4
 PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention program
 _claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
+
+
+def bucket_table(sizes: tuple[int, ...], most: int) -> tuple[list[int], list[int]]:
+    """The sizes below `most`, then `most`; and for each count 0..most the least of them that holds it."""
+    buckets = [b for b in sizes if b < most] + [most]
+    return buckets, [0] + [next(b for b in buckets if b >= n) for n in range(1, most + 1)]
 
 
 def attention_stages(batch: int) -> int:
@@ -209,8 +218,8 @@ class GpuEngine:
 
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.codec_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # beside the decode steps
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-        self.bucket_of = [0] + [next(b for b in self.buckets if b >= n) for n in range(1, max_batch + 1)]
+        self.buckets, self.bucket_of = bucket_table(BUCKETS, max_batch)
+        self.codec_buckets, self.codec_bucket_of = bucket_table(CODEC_BUCKETS, max_batch)
         pinned = dev.type == "cuda"
         self.step_rows = {n: STEP_ROWS.get(n, 1) for n in self.buckets}
         rows_max = max(self.step_rows.values())
@@ -356,7 +365,7 @@ class GpuEngine:
     @torch.inference_mode()
     def prepare_codec(self, plan: StreamPlan) -> None:
         """The codec windows of `plan` (StreamPlan.window_shapes: the first ones', the middle ones' and the last
-        one's widest) as CUDA graphs, one per window count of the decode buckets (a call of fewer windows pads up to
+        one's widest) as CUDA graphs, one per window count of CODEC_BUCKETS (a call of fewer windows pads up to
         the next), for shapes not captured yet: the default plan's at start-up, another plan's when a scheduler with
         it starts. A window of 18 frames is ~100 small kernels, 4 ms of launches when eager, and a call of 64
         windows of 45 frames issued eagerly kept the scheduler's loop ~12 ms from launching decode steps (the GPU
@@ -368,7 +377,7 @@ class GpuEngine:
             self.codec_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(self.codec_stream):
             for frames, keep in sorted(shapes):
-                for n in self.buckets:
+                for n in self.codec_buckets:
                     codes = torch.zeros(n, self.codec_model.dims.num_quantizers, frames, dtype=torch.int64,
                                         device=self.device)
                     self.codec_model(codes, keep)  # warm-up outside capture (cuDNN picks its algorithms)
@@ -380,7 +389,7 @@ class GpuEngine:
     def _captured_codec(self, windows: int, frames: int, keep: tuple[int, int]):
         """(graph, codes, wave, the kept frames) of the captured codec call for this many windows of `frames` that
         keeps the fewest frames covering `keep` (a last window's replays the widest one's), or None."""
-        bucket = self.bucket_of[windows] if windows < len(self.bucket_of) else None
+        bucket = self.codec_bucket_of[windows] if windows < len(self.codec_bucket_of) else None
         found = [(b - a, (a, b)) for n, (f, (a, b)) in self.codec_graphs
                  if n == bucket and f == frames and a <= keep[0] and keep[1] <= b]
         if not found:

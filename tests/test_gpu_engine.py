@@ -158,7 +158,7 @@ def test_captured_codec_windows_equal_the_eager_codec(tiny):
     of 4), and for a last window keeping fewer frames than the graph it replays; and within TF32's rounding of the
     whole window decoded by torch's modules (cuDNN)."""
     engine = open_engine(tiny, max_batch=4)
-    assert len(engine.codec_graphs) == 4 * len(engine.buckets) == 12
+    assert len(engine.codec_graphs) == 4 * len(engine.codec_buckets) == 12
     shapes = sorted({shape for _, shape in engine.codec_graphs})
     calls = [(n, frames, keep) for n, (frames, keep) in engine.codec_graphs] * 2 + [(3, *shape) for shape in shapes]
     rng = np.random.default_rng(0)
@@ -166,7 +166,7 @@ def test_captured_codec_windows_equal_the_eager_codec(tiny):
         kept = engine._captured_codec(windows, frames, keep)[-1]
         codes = rng.integers(0, 1024, (windows, engine.codec_model.dims.num_quantizers, frames))
         got = engine.codec(codes, keep).result()
-        padded = np.zeros((engine.bucket_of[windows], *codes.shape[1:]), codes.dtype)  # as the engine pads a call
+        padded = np.zeros((engine.codec_bucket_of[windows], *codes.shape[1:]), codes.dtype)  # as the engine pads a call
         padded[:windows] = codes
         with torch.inference_mode():  # the replayed call's shape: cuDNN's TF32 roundings depend on crop and count
             eager = engine.codec_model(torch.from_numpy(padded).cuda(), kept).cpu().numpy()[:windows]
@@ -338,4 +338,4 @@ def test_codec_graphs_cover_every_window_of_the_plan(tiny):
     assert {shape for _, shape in engine.codec_graphs} == {(18, (0, 8)), (43, (8, 33)), (45, (10, 35)), (45, (10, 45))}
     Scheduler(engine, StreamPlan.exact(engine.codec_strides, first=2))
     assert {frames for _, (frames, _) in engine.codec_graphs} == {12, 18, 20, 43, 45}
-    assert {n for n, (frames, _) in engine.codec_graphs if frames == 12} == set(engine.buckets)
+    assert {n for n, (frames, _) in engine.codec_graphs if frames == 12} == set(engine.codec_buckets)

@@ -37,3 +37,14 @@ def test_prompts_longer_than_every_bucket_go_by_rows():
     for lengths in ([41] * 64, [600] + [41] * 63, [17, 300, 512, 64] * 16):
         passes = prefill_passes(lengths, 4000, graphs)
         assert sum(passes) == len(lengths) and all(passes)
+
+
+def test_bucket_tables_hold_every_count_in_the_least_bucket():
+    from higgs_trt.builder.gpu_engine import BUCKETS, CODEC_BUCKETS, bucket_table
+
+    assert bucket_table(BUCKETS, 64) == ([1, 2, 4, 8, 16, 32, 64],
+                                         [0, 1, 2, 4, 4] + [8] * 4 + [16] * 8 + [32] * 16 + [64] * 32)
+    assert bucket_table(BUCKETS, 6) == ([1, 2, 4, 6], [0, 1, 2, 4, 4, 6, 6])  # the most slots is always a bucket
+    buckets, of = bucket_table(CODEC_BUCKETS, 64)
+    assert of[21] == 24 and of[14] == 16 and of[40] == 48  # served codec calls of 14-21 windows pad little
+    assert all(n <= of[n] and (n == 0 or of[n] in buckets) for n in range(65))
