@@ -83,7 +83,12 @@ class Snake(nn.Module):
     def forward(self, x):
         if x.is_cuda and not torch.onnx.is_in_onnx_export():
             return _snake_on_gpu(x, self.alpha)
-        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+        return snake_formula(x, self.alpha)
+
+
+def snake_formula(x, alpha):
+    """x + sin(αx)² / (α + 1e-9) in torch ops (ONNX export, the CPU), α shaped to broadcast over x's channels."""
+    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
 def _snake_on_gpu(x, alpha):
@@ -103,9 +108,7 @@ def snake_rows(x, alpha, bias=None):
     a new packed [B, T, C]."""
     b, t, c = x.shape
     if not x.is_cuda:
-        v = x if bias is None else x + bias
-        a = alpha.reshape(-1)
-        return v + (a + 1e-9).reciprocal() * torch.sin(a * v).pow(2)
+        return snake_formula(x if bias is None else x + bias, alpha.reshape(-1))
     from .gpu_kernels import snake
 
     if x.stride(2) != 1 or x.stride(1) != c:
@@ -258,11 +261,9 @@ def _cropped_steps(z, steps: list[CropStep]):
             branch = _conv_rows(unit.conv2, snake_rows(inner, unit.snake2.alpha, unit.conv1.bias))
             branch += x[:, step.out[0] - step.first:step.out[1] - step.first]
             x, bias = branch, unit.conv2.bias if bias is None else bias + unit.conv2.bias
-        else:
+        else:  # conv1, the first step (no activation, nothing carried), or conv2 after the last Snake
             if step.snake is not None:
                 x = snake_rows(x, step.snake.alpha, bias)
-            elif bias is not None:
-                x = x + bias
             x, bias = _conv_rows(step.conv, x, step.edges), step.conv.bias
     return (x + bias).transpose(1, 2)
 

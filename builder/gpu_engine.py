@@ -647,6 +647,6 @@ def load_gpu_engine(source, *, max_seq: int, max_batch: int, max_prompt: int, ac
     cfg = source.config
     tensors = source.take(HiggsLM.expected_tensors(cfg), "language model")
     codec = CodecDecoder.from_checkpoint(source).channels_last().to("cuda")
-    say(f"  capturing decode graphs for batches {', '.join(map(str, [b for b in BUCKETS if b < max_batch] + [max_batch]))}…")
+    say(f"  capturing decode graphs for batches {', '.join(map(str, bucket_table(BUCKETS, max_batch)[0]))}…")
     return GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=act_amax,
                      codec=codec)
