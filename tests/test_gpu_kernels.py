@@ -501,35 +501,25 @@ def test_fp8_engine_follows_the_ort_fp8_twin_teacher_forced(tiny_fp8_engine, tin
     against the fp32 twin gives 0.9998). So: mean ≥ 0.999, every step ≥ 0.997, and nearer the FP8 twin
     than the bf16 twin at the prompt's row (where FP8 moves the logits most: the twins differ by 0.996 there) and
     on average. On the CPU the engine's sums are exact (interpreter); on the H200 each wgmma sums 32 FP8 products in
-    reduced precision (gpu_linear.FP8_SPAN)."""
+    reduced precision (gpu_linear.FP8_SPAN): tests/test_gpu_engine.py holds the engine to the twin there, at mid
+    width."""
     run(f"""
+import sys
 from pathlib import Path
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from fp8_twin import twin_logits
 from higgs_trt.builder.engine_weights import EngineWeights
 from higgs_trt.builder.gpu_engine import GpuEngine
 from higgs_trt.builder.model import HiggsLM
 from higgs_trt.calibration.calibrate import load_calibration
-from higgs_trt.runtime.decoding import NO_END, Sampling, delay_mask
-from higgs_trt.runtime.generate import prefill_feeds, step_feeds
+from higgs_trt.runtime.decoding import NO_END, Sampling
 from higgs_trt.runtime.manifest import EngineDir
-from higgs_trt.runtime.ort_backend import OrtBackend
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 
 engine = EngineDir(Path({str(tiny_fp8_engine)!r}))
 prompt = build_prompt(HiggsTokenizer(Path({str(tiny_ckpt)!r}) / "tokenizer.json"), "The quick brown fox.")
-
-def twin_logits(graph, fed=None):
-    twin = OrtBackend(engine, max_batch=1, graph=graph)
-    logits, codes = twin.lm(prefill_feeds([prompt]), slot=0)
-    out, rows = [logits[0].reshape(8, -1)], []
-    for r in range(12):
-        row = delay_mask(codes.reshape(1, 8), np.array([r]), np.array([NO_END])) if fed is None else fed[r][None]
-        rows.append(row[0])
-        logits, codes = twin.lm(step_feeds(row, [len(prompt) + r], r + 1, [NO_END]))
-        out.append(logits[0].reshape(8, -1))
-    return torch.from_numpy(np.stack(out)).float().flatten(1), rows
-
-fp8_twin, fed = twin_logits("lm_fp8_ref")
-bf16_twin, _ = twin_logits("lm_ref", fed)
+fp8_twin, fed = twin_logits(engine, prompt, 12)
+bf16_twin, _ = twin_logits(engine, prompt, 12, "lm_ref", fed)
 
 weights = EngineWeights(engine)
 amax = load_calibration(engine.path / engine.manifest["calibration"]["file"], engine.fingerprint)["activation_amax"]
