@@ -17,9 +17,11 @@ Each row is chosen here by the shared rules: the graph's greedy codes, or runtim
 under the delay mask; then the end frame (decoding.find_end) and the row fed back, masked with that end.
 """
 
+import math
+
 import numpy as np
 
-from .decoding import NO_END, NUM_CODEBOOKS, SAMPLES_PER_FRAME, Sampling, delay_mask, find_end
+from .decoding import NO_END, NUM_CODEBOOKS, Sampling, delay_mask, find_end
 from .generate import prefill_feeds, step_feeds
 from .prompt import Prompt
 from .sampling import choose_row
@@ -32,6 +34,7 @@ class HostStepper:
         self.backend = backend
         self.name, self.max_batch, self.max_seq = backend.name, backend.max_batch, backend.max_seq
         self.max_prompt, self.codec_strides = backend.max_prompt, backend.codec_strides
+        self.hop = math.prod(self.codec_strides)  # samples per frame, as the codec decodes them
         b = self.max_batch
         self.write_pos = np.zeros(b, np.int64)  # where the next fed row is written
         self.row = np.zeros(b, np.int64)  # the row the next call chooses
@@ -87,7 +90,7 @@ class HostStepper:
 
     def codec(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "Decoded":
         audio = self.backend.codec(codes)
-        return Decoded(audio if keep is None else audio[..., keep[0] * SAMPLES_PER_FRAME:keep[1] * SAMPLES_PER_FRAME])
+        return Decoded(audio if keep is None else audio[..., keep[0] * self.hop:keep[1] * self.hop])
 
 
 class Decoded:
