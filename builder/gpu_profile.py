@@ -1,4 +1,5 @@
-"""`higgs-trt bench profile`: one decode step of the GPU engine kernel by kernel (needs a CUDA GPU).
+"""`higgs-trt bench profile`: one decode step of the GPU engine kernel by kernel (needs a CUDA GPU); and
+`bench stream --timeline`: where a streaming level's time goes (profile_level, below).
 
 Each kernel's GPU time from torch's profiler (CUPTI), launched without programmatic dependent launch, so that a kernel's
 time is its own and not partly its wait for the one before. Kernels are named by their place in the step (the launch
@@ -7,7 +8,13 @@ each kernel is from the copy bandwidth. Random weights at the checkpoint's dimen
 positions (attention's work), as gpu_bench does.
 """
 
+import bisect
+import functools
+import json
 import re
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -83,3 +90,137 @@ def profile_step(cfg: HiggsConfig, batches=(1, 64), fp8_options=(False, True), c
             engine.active.zero_()
         del engine
         torch.cuda.empty_cache()
+
+
+# ---- a streaming level's timeline (bench stream --timeline) ------------------------------------------------------
+
+SCHEDULER_CALLS = ("_admit", "_due", "_decode", "_collect", "_finish")
+ENGINE_CALLS = ("step", "rows", "prefill", "codec", "release")
+GAP_US = 5.0  # idle gaps shorter than this are a kernel's own launch, not waiting for the host
+
+
+def profile_level(run, engine, say=print):
+    """run() (one streaming level) under torch's profiler with the scheduler's and the engine's calls labelled;
+    says timeline_lines of the trace and returns run()'s result. The profiler slows the host: the level's own figures
+    then understate what it does unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with labelled_calls(engine), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = run()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    for line in timeline_lines(events):
+        say(line)
+    return result
+
+
+@contextmanager
+def labelled_calls(engine):
+    """The scheduler's and the engine's calls as profiler ranges named "@scheduler._decode", "@engine.step", …, so
+    that a trace shows what the host was doing at any moment; put back as they were on leaving."""
+    from higgs_trt.runtime.scheduler import Scheduler
+
+    def labelled(fn, label):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    originals = {name: Scheduler.__dict__[name] for name in SCHEDULER_CALLS}
+    own = {name: engine.__dict__[name] for name in ENGINE_CALLS if name in engine.__dict__}
+    try:
+        for name, fn in originals.items():
+            setattr(Scheduler, name, labelled(fn, "@scheduler." + name))
+        for name in ENGINE_CALLS:
+            setattr(engine, name, labelled(getattr(engine, name), "@engine." + name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(Scheduler, name, fn)
+        for name in ENGINE_CALLS:
+            if name in own:
+                setattr(engine, name, own[name])
+            else:
+                engine.__dict__.pop(name, None)
+
+
+def timeline_lines(events: list[dict]) -> list[str]:
+    """Where a profiled level's time went, from its chrome-trace events: the stream with the most kernels is the
+    decode stream (prefills run there too), the next the codec's. The decode stream's busy time and its idle gaps,
+    each gap of GAP_US or more charged to the innermost labelled call running when it began ("(loop)": none), with
+    how long the codec stream was busy meanwhile (a gap while codec kernels hold the GPU is contention, not the
+    host)."""
+    kernels: dict = {}
+    labels = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "kernel":
+            kernels.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
+        elif e.get("cat") == "user_annotation" and e.get("name", "").startswith("@"):
+            labels.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    if not kernels:
+        return ["timeline: no GPU kernels in the trace"]
+    streams = sorted(kernels, key=lambda s: -len(kernels[s]))
+    decode = _union(kernels[streams[0]])
+    codec = _union(kernels[streams[1]]) if len(streams) > 1 else []
+    span = decode[-1][1] - decode[0][0]
+    lines = [f"timeline: decode stream busy {_total(decode) / 1e3:.1f} of {span / 1e3:.1f} ms; codec stream busy "
+             f"{_total(codec) / 1e3:.1f} ms, {_overlap(decode, codec) / 1e3:.1f} of it beside decode kernels"]
+    labels.sort()
+    starts = [lab[0] for lab in labels]
+    idle: dict[str, list] = {}
+    for (_, gap_start), (gap_end, _) in zip(decode, decode[1:]):
+        if gap_end - gap_start < GAP_US:
+            continue
+        name = _innermost(labels, starts, gap_start)
+        entry = idle.setdefault(name, [0.0, 0, 0.0])
+        entry[0] += gap_end - gap_start
+        entry[1] += 1
+        entry[2] += _overlap([[gap_start, gap_end]], codec)
+    total = sum(t for t, _, _ in idle.values())
+    lines.append(f"  decode stream idle {total / 1e3:.1f} ms in gaps of {GAP_US:g} µs or more, by the call running "
+                 f"when each began (codec stream busy meanwhile):")
+    for name, (t, count, beside) in sorted(idle.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"    {name:<22} {t / 1e3:8.1f} ms in {count:5d} gaps ({beside / 1e3:.1f})")
+    return lines
+
+
+def _innermost(labels, starts, t) -> str:
+    """The latest-starting label that contains t (the host's calls nest: the innermost one), or "(loop)"."""
+    for i in range(bisect.bisect_right(starts, t) - 1, -1, -1):
+        if labels[i][1] >= t:
+            return labels[i][2]
+        if t - labels[i][0] > 1e6:  # the loop's calls take milliseconds: stop looking a second back
+            break
+    return "(loop)"
+
+
+def _union(intervals) -> list[list[float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def _total(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _overlap(a, b) -> float:
+    """Time inside both of two sorted, disjoint interval lists."""
+    i = j = 0
+    both = 0.0
+    while i < len(a) and j < len(b):
+        both += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both

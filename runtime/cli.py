@@ -398,10 +398,14 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
 @click.option("--ref-seconds", type=float, default=0.0, show_default=True,
               help="Voice-clone load: every prompt carries a reference of this many seconds (1 to 30; random codes, "
                    "25 frames a second) with --text as its transcript.")
+@click.option("--timeline", is_flag=True,
+              help="GPU engine: run each level once more under torch's profiler and say where its time went (the "
+                   "decode stream's busy time, its idle gaps by the scheduler or engine call running when each began, "
+                   "the codec stream's overlap).")
 @stream_plan_options
 def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows,
-                 concurrency, requests, temperature, stagger, ref_seconds, first_chunk, chunk, context, holdback,
-                 first_holdback):
+                 concurrency, requests, temperature, stagger, ref_seconds, timeline, first_chunk, chunk, context,
+                 holdback, first_holdback):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
     seams unless the window options say otherwise)."""
     from .audio import MAX_SECONDS, MIN_SECONDS
@@ -417,8 +421,12 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
         raise HiggsError(f"--ref-seconds must be 0 (no reference) or lie in {MIN_SECONDS:g}..{MAX_SECONDS:g} (as "
                          f"--ref-audio's), got {ref_seconds}")
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
+    if timeline and (backend or ("ort" if engine else "torch")) != "torch":
+        raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU")
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
                                      placeholder_scales)
+    if timeline and model.name != "torch-cuda":
+        raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU (none here)")
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
     if ref_seconds:
         from .decoding import CODEBOOK_SIZE, FRAMES_PER_SECOND, NUM_CODEBOOKS
@@ -434,6 +442,12 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     for c in levels:
         run_stream(model, prompt, c, c, rows, settings, plan, stagger)  # warm-up: the codec meets this level's windows
         click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings, plan, stagger).line())
+        if timeline:
+            from higgs_trt.builder.gpu_profile import profile_level
+
+            figures = profile_level(lambda: run_stream(model, prompt, c, requests or 2 * c, rows, settings, plan, stagger),
+                                    model, say=click.echo)
+            click.echo(f"  (profiled: {figures.line()})")
 
 
 @bench.command("serve")

@@ -130,6 +130,14 @@ def test_bench_stream_prints_figures_per_level(tiny_engine):
     assert all(w >= 0 for w in waits) and "loop prefill" in lines[0], r.stdout
 
 
+@pytest.mark.parametrize("args", [["--backend", "ort"], ["--backend", "torch", "--device", "cpu"]])
+def test_bench_stream_timeline_is_refused_off_the_gpu_engine(tiny_engine, tiny_ckpt, args):
+    source = ["--engine", tiny_engine] if "ort" in args else ["--checkpoint", tiny_ckpt]
+    r = higgs("bench", "stream", *source, *args, "--concurrency", "1", "--rows", 24, "--timeline")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().startswith("Error: --timeline profiles the GPU engine"), r.stderr
+
+
 def test_bench_stream_staggers_its_clients_on_request(tiny_engine):
     """All at once, four clients' windows fall due on the same steps (one codec call takes four); staggered, their
     requests join and end at different steps (a call takes one)."""

@@ -50,3 +50,56 @@ def test_tile_configs_keep_a_decode_rows_sums_and_let_prefills_choose_theirs():
             TileConfig(32, 256, 1, wide=other_sums)
     with pytest.raises(ValueError, match="nest"):
         TileConfig(32, 256, 1, prefill=TileConfig(128, 64, 1, wide=TileConfig(64, 64, 1)))
+
+
+def test_timeline_charges_each_idle_gap_to_the_call_running_when_it_began():
+    """bench stream --timeline's reading of a trace: decode stream = the stream with the most kernels; a gap is charged
+    to the innermost labelled call containing its start, "(loop)" if none; gaps under GAP_US are not counted; the
+    codec stream's busy time within each gap is reported beside it."""
+    from higgs_trt.builder.gpu_profile import timeline_lines
+
+    def kernel(stream, start, end):
+        return {"ph": "X", "cat": "kernel", "ts": start, "dur": end - start, "args": {"stream": stream}}
+
+    def call(name, start, end):
+        return {"ph": "X", "cat": "user_annotation", "ts": start, "dur": end - start, "name": name}
+
+    events = [kernel(7, 0, 1000), kernel(7, 1003, 2000), kernel(7, 8000, 9500), kernel(7, 12000, 13000),
+              kernel(7, 14000, 15000), kernel(7, 16000, 17000), kernel(9, 10000, 12500),
+              call("@scheduler._decode", 1500, 12500), call("@engine.codec", 9000, 10000),  # gaps at 2000 and at 9500
+              call("@engine.rows", 12500, 14500),  # the gap at 13000 began in rows, the one at 15000 in no call
+              {"ph": "X", "cat": "cpu_op", "ts": 14900, "dur": 500, "name": "aten::copy_"}]  # not a labelled call
+    lines = timeline_lines(events)
+    assert lines[0] == ("timeline: decode stream busy 6.5 of 17.0 ms; codec stream busy 2.5 ms, 0.5 of it beside "
+                        "decode kernels"), lines[0]
+    assert "idle 10.5 ms" in lines[1], lines[1]  # the 3 µs gap after the first kernel is not counted
+    by_call = {line.split()[0]: line.split(maxsplit=1)[1] for line in lines[2:]}
+    assert by_call == {"@scheduler._decode": "6.0 ms in     1 gaps (0.0)", "@engine.codec": "2.5 ms in     1 gaps (2.0)",
+                       "@engine.rows": "1.0 ms in     1 gaps (0.0)", "(loop)": "1.0 ms in     1 gaps (0.0)"}, lines
+    assert timeline_lines([call("@engine.step", 0, 5)]) == ["timeline: no GPU kernels in the trace"]
+
+
+def test_profile_level_labels_the_loops_calls_and_puts_them_back(tiny_engine, monkeypatch):
+    """A real level of the tiny ORT engine under the profiler (CPU only: no kernels): the trace holds the labelled
+    scheduler and engine calls, and afterwards the scheduler's methods and the engine are as they were."""
+    from higgs_trt.builder import gpu_profile
+    from higgs_trt.runtime.bench import bench_stream
+    from higgs_trt.runtime.decoding import Sampling
+    from higgs_trt.runtime.manifest import EngineDir
+    from higgs_trt.runtime.ort_backend import OrtBackend
+    from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+    from higgs_trt.runtime.scheduler import Scheduler
+    from higgs_trt.runtime.stepper import HostStepper
+
+    engine = HostStepper(OrtBackend(EngineDir(tiny_engine)))
+    prompt = build_prompt(HiggsTokenizer(tiny_engine / "tokenizer.json"), "Hello there.")
+    before = {name: Scheduler.__dict__[name] for name in gpu_profile.SCHEDULER_CALLS}
+    seen = []
+    monkeypatch.setattr(gpu_profile, "timeline_lines", lambda events: seen.extend(events) or ["no kernels"])
+    said = []
+    figures = gpu_profile.profile_level(lambda: bench_stream(engine, prompt, 2, 2, 24, Sampling()), engine, said.append)
+    assert figures.line().startswith("concurrency   2:") and said == ["no kernels"]
+    names = {e.get("name") for e in seen if e.get("cat") == "user_annotation"}
+    assert {"@scheduler._admit", "@scheduler._decode", "@engine.step", "@engine.codec", "@engine.prefill"} <= names
+    assert {name: Scheduler.__dict__[name] for name in gpu_profile.SCHEDULER_CALLS} == before
+    assert not set(gpu_profile.ENGINE_CALLS) & set(vars(engine))
