@@ -1,6 +1,7 @@
 """`higgs-trt`: the command line. Stage commands import their heavy dependencies only when they run."""
 
 import time
+from functools import partial
 from pathlib import Path
 
 import click
@@ -441,13 +442,12 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
         f"first chunk {plan.first} frames, then {plan.chunk}{'; clients staggered' if stagger else ''}")
     for c in levels:
         run_stream(model, prompt, c, c, rows, settings, plan, stagger)  # warm-up: the codec meets this level's windows
-        click.echo(run_stream(model, prompt, c, requests or 2 * c, rows, settings, plan, stagger).line())
+        level = partial(run_stream, model, prompt, c, requests or 2 * c, rows, settings, plan, stagger)
+        click.echo(level().line())
         if timeline:
             from higgs_trt.builder.gpu_profile import profile_level
 
-            figures = profile_level(lambda: run_stream(model, prompt, c, requests or 2 * c, rows, settings, plan, stagger),
-                                    model, say=click.echo)
-            click.echo(f"  (profiled: {figures.line()})")
+            click.echo(f"  (profiled: {profile_level(level, model, say=click.echo).line()})")
 
 
 @bench.command("serve")
