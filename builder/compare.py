@@ -6,7 +6,8 @@ reference had at that step, so every runner computes one step from the same stat
 a cache bug shows at the step it happens) and every feed replays on its own, also with Polygraphy's CLI.
 
 Runners: `torch` (the reference, fp32 math on the checkpoint's bf16 weights), `ort` (ONNX Runtime on the
-engine's fp32 twin: lm.ref.onnx, or lm.fp8.ref.onnx for FP8 engines) and `trt` (TensorRT on lm.plan; needs the
+engine's twin: lm.ref.onnx in fp32, or for FP8 engines lm.fp8.bf16ref.onnx, the FP8 graph with its bf16 roundings,
+what an FP8 engine is held to: builder/bf16_twin.py) and `trt` (TensorRT on lm.plan; needs the
 `tensorrt` module and a GPU, so it has not run here). Polygraphy's Comparator runs them and checks logits and
 caches against the first runner with per-precision tolerances; codes are compared as per-codebook agreement.
 """
@@ -229,7 +230,7 @@ def compare(engine_dir: Path, checkpoint: Path | None, runners: list[str], promp
         if name == "torch":
             available[name] = TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"], engine.graph("lm_ref"))
         elif name == "ort":
-            twin = "lm_fp8_ref" if precision == "fp8" else "lm_ref"
+            twin = "lm_fp8_bf16ref" if precision == "fp8" else "lm_ref"
             available[name] = OnnxrtRunner(SessionFromOnnx(str(engine.file(twin)), providers=["cpu"]), name="ort")
         elif name == "trt":
             from higgs_trt.runtime import trt_shim

@@ -4,6 +4,8 @@ Graphs (dynamo exporter, opset 24):
   lm.onnx       bf16, for TensorRT: prefill (S = prompt) and decode step (S = 1) are one graph, so one engine
                 with two optimization profiles holds the weights once
   lm.ref.onnx   fp32 reference twin for ONNX Runtime (fp32 math on the same bf16 weights)
+  lm.fp8.onnx, lm.fp8.ref.onnx   with --precision fp8: the same two with FP8 Q/DQ GEMMs (calibration/qdq.py)
+  lm.fp8.bf16ref.onnx  lm.fp8.onnx for ONNX Runtime with its bf16 roundings kept (builder/bf16_twin.py)
   codec.onnx    fp32 codec decoder, codes [B,8,T] → waveform [B,1,960·T]
   codec_encoder.onnx  fp32 codec encoder (voice cloning), audio_24k [1,1,N] + audio_16k [1,1,M] → codes [1,8,T];
                 its length arithmetic (`geometry`) goes into the manifest; absent when the checkpoint has no encoder
@@ -31,6 +33,7 @@ from higgs_trt.runtime.manifest import write_manifest
 from higgs_trt.runtime.outputs import output_engine_dir, staged_dir
 from higgs_trt.runtime.streaming import receptive_field
 
+from .bf16_twin import bf16_rounding_twin
 from .checkpoint import Checkpoint
 from .codec import PREFIX as CODEC_PREFIX
 from .codec import CodecDecoder, CodecDims
@@ -88,13 +91,13 @@ def attach_plugin_functions(model: ir.Model) -> None:
         if node.domain != schemas.DOMAIN:
             continue
         if node.op_type == "rope_kv_write":  # q_out like q; the caches like their inputs
-            types = [node.inputs[0].type, node.inputs[6].type, node.inputs[7].type]
+            dtypes = [node.inputs[0].dtype, node.inputs[6].dtype, node.inputs[7].dtype]
         elif node.op_type == "decode_attention":  # like q
-            types = [node.inputs[0].type]
+            dtypes = [node.inputs[0].dtype]
         else:  # codes int32; the embedding like the table
-            types = [ir.TensorType(ir.DataType.INT32), node.inputs[3].type]
-        for value, type_ in zip(node.outputs, types):
-            value.type = type_
+            dtypes = [ir.DataType.INT32, node.inputs[3].dtype]
+        for value, dtype in zip(node.outputs, dtypes):
+            value.type = ir.TensorType(dtype)  # a type of its own: a type object shared with the input changes with it
 
 
 def export_lm(model: HiggsLM) -> ir.Model:
@@ -334,6 +337,9 @@ def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scal
                 weights.flush()
                 insert_qdq(model, scales["activation_amax"], weights)
                 save(key.replace("lm", "lm_fp8"), file.replace("lm.", "lm.fp8."), model, name, t0)
+                if key == "lm":  # and that graph as ONNX Runtime runs it with the engine's bf16 roundings
+                    t0 = time.perf_counter()
+                    save("lm_fp8_bf16ref", "lm.fp8.bf16ref.onnx", bf16_rounding_twin(model), "float32", t0)
         t0 = time.perf_counter()
         model = export_codec(CodecDecoder.from_checkpoint(ckpt))
         weights.place(model, checkpoint_names=False, index_prefix=CODEC_PREFIX)

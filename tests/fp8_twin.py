@@ -1,7 +1,7 @@
-"""ONNX Runtime's run of an engine directory's reference twin (lm_fp8_ref: the FP8 Q/DQ graph in fp32; lm_ref: the
-bf16 graph in fp32), greedy or fed given rows: what the GPU engine in FP8 is held to, teacher-forced. Shared by the
-interpreter test on the tiny checkpoint (tests/test_gpu_kernels.py, in its child process) and the H200 one on the
-mid checkpoint (tests/test_gpu_engine.py)."""
+"""ONNX Runtime's run of an engine directory's reference twin (lm_fp8_bf16ref: the FP8 graph with its bf16 roundings;
+lm_fp8_ref: the FP8 Q/DQ graph in fp32; lm_ref: the bf16 graph in fp32), greedy or fed given rows: what the GPU
+engine in FP8 is held to, teacher-forced. Shared by the interpreter test on the tiny checkpoint
+(tests/test_gpu_kernels.py, in its child process) and the H200 one on the mid checkpoint (tests/test_gpu_engine.py)."""
 
 import numpy as np
 import torch

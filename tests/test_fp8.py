@@ -6,6 +6,7 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.export import export_engine
@@ -13,7 +14,7 @@ from higgs_trt.builder.tiny import write_random_checkpoint
 from higgs_trt.calibration.calibrate import _seal, calibrate, load_calibration, quantized_sites, write_calibration
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
-from higgs_trt.runtime.generate import generate
+from higgs_trt.runtime.generate import generate, prefill_feeds
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.ort_backend import OrtBackend
 from higgs_trt.runtime.stepper import HostStepper
@@ -60,7 +61,7 @@ def test_foreign_or_stale_calibration_is_refused(tiny_ckpt, tiny_calibration, tm
 
 def test_qdq_only_at_gemm_inputs(tiny_fp8_engine):
     engine = EngineDir(tiny_fp8_engine)
-    for key in ("lm_fp8", "lm_fp8_ref"):
+    for key in ("lm_fp8", "lm_fp8_ref", "lm_fp8_bf16ref"):
         graph = onnx.load(engine.file(key), load_external_data=False).graph
         ops = Counter(n.op_type for n in graph.node)
         assert ops["QuantizeLinear"] == 2 * 4  # qkv, o, gate/up, down per layer
@@ -78,6 +79,38 @@ def test_qdq_only_at_gemm_inputs(tiny_fp8_engine):
         assert scales["body.layers.0.mlp.down_proj.weight.scale"] == [64]  # per output channel
         assert scales["tied.embedding.text_embedding.weight.scale"] == [448]  # per row
         assert not any(n.input[0] == "tied.embedding.modality_embeddings.0.embedding.weight.dq" for n in graph.node)
+
+
+def test_the_bf16_rounding_twin_keeps_the_fp8_graphs_roundings(tiny_fp8_engine, tiny_ckpt):
+    """lm.fp8.bf16ref.onnx is lm.fp8.onnx computed in fp32 with each bf16 value rounded where that graph makes it:
+    the keys and values it caches are bf16 numbers (the fp32 twin's are not), and it quantizes as the fp32 twin does
+    (logits within a cosine of 0.99 of it)."""
+    engine = EngineDir(tiny_fp8_engine)
+    prompt = build_prompt(HiggsTokenizer(tiny_ckpt / "tokenizer.json"), "Rounded where the engine rounds.")
+    logits, caches = {}, {}
+    for graph in ("lm_fp8_ref", "lm_fp8_bf16ref"):
+        twin = OrtBackend(engine, graph=graph, max_batch=1)
+        logits[graph] = twin.lm(prefill_feeds([prompt]), slot=0)[0].ravel()
+        caches[graph] = torch.from_numpy(np.concatenate([c[0, :, :len(prompt)].ravel() for c in twin.caches]))
+    bf16_numbers = {g: torch.equal(c, c.bfloat16().float()) for g, c in caches.items()}
+    assert bf16_numbers == {"lm_fp8_ref": False, "lm_fp8_bf16ref": True}
+    a, b = (torch.from_numpy(logits[g]) for g in ("lm_fp8_ref", "lm_fp8_bf16ref"))
+    assert 0.99 <= float(torch.nn.functional.cosine_similarity(a, b, dim=0)) < 1.0
+
+
+def test_the_plugin_op_paths_fp8_twins_compute_what_the_native_ones_do(tiny_ckpt, tiny_calibration, tiny_fp8_engine,
+                                                                       tmp_path):
+    """The plugin nodes' reference bodies (model-local functions) compute what the native ops do, in both FP8 twins:
+    the bf16-rounding one rounds the plugins' outputs as the native graph rounds the ops they replace."""
+    from higgs_trt.plugins.ops import PluginOps
+
+    plugin = export_engine(tiny_ckpt, tmp_path / "p8", max_seq=160, max_batch=4, max_prompt=96, ops=PluginOps,
+                           say=lambda m: None, precision="fp8", calibration=tiny_calibration)
+    prompt = build_prompt(HiggsTokenizer(tiny_ckpt / "tokenizer.json"), "Plugins or native ops, the same numbers.")
+    for graph in ("lm_fp8_ref", "lm_fp8_bf16ref"):
+        a, b = (torch.from_numpy(OrtBackend(EngineDir(d), graph=graph, max_batch=1).lm(prefill_feeds([prompt]), 0)[0])
+                for d in (plugin, tiny_fp8_engine))
+        assert float(torch.nn.functional.cosine_similarity(a.ravel(), b.ravel(), dim=0)) > 0.99999, graph
 
 
 def test_ort_runs_the_fp8_twin_and_the_gate_is_recorded(tiny_fp8_engine):
