@@ -179,6 +179,7 @@ class GpuEngine:
             self.text_table = fake_quantize_weight(self.text_table).to(torch.bfloat16)
         del t
         self.cos, self.sin = (x.to(dev) for x in rope_table(cfg, max_seq, torch.bfloat16))
+        self.q_scale = float(torch.tensor(cfg.head_dim ** -0.5).bfloat16())  # 1/√D as the graph has it: bf16
         self.offsets = torch.arange(cfg.num_codebooks, device=dev) * cfg.codebook_vocab
         self.codec_model = codec
         self.codec_strides = codec.dims.strides if codec is not None else None
@@ -482,8 +483,8 @@ class GpuEngine:
                 length, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2, **self._launch())
             # causal attention over each prompt's own keys only (decode_attention reads keys 0..row of each row, so a
             # row's result depends neither on the padding nor on the other prompts): q scaled as decode scales it,
-            # heads first; the output goes through q's buffer (q is spent) back to rows first
-            heads.copy_(q.view(g, length, hq, d).transpose(1, 2).float() * d ** -0.5)
+            # heads first, at the graph's bf16 scale; the output goes through q's buffer (q is spent) back to rows first
+            heads.copy_(q.view(g, length, hq, d).transpose(1, 2).float() * self.q_scale)
             out = q.view(g, hq, length, d)
             plugin_kernels.decode_attention[(g, hkv, -(-length * (hq // hkv) // PROMPT_Q_BLOCK))](
                 heads, k_stage, v_stage, self.prompt_start, length, length, out, Q_HEADS=hq, KV_HEADS=hkv,

@@ -73,7 +73,8 @@ def _gated(g, u, n, g_scale, u_scale, x_scale, N: tl.constexpr, FP8: tl.constexp
         u = u * (x_scale * tl.load(u_scale + n, mask=n < N, other=0.0))[None, :]
     g = g.to(tl.bfloat16).to(tl.float32)  # the reference rounds each projection to bf16 before the product
     u = u.to(tl.bfloat16).to(tl.float32)
-    return (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32) * u
+    sigmoid = (1.0 / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32)  # the graph's Sigmoid, then its Mul
+    return (g * sigmoid).to(tl.bfloat16).to(tl.float32) * u
 
 
 @triton.jit

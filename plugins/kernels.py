@@ -186,25 +186,38 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, q_out, k_cac
 
 
 @triton.jit
-def _attend(q_tile, k_rows, v_rows, start, stop, q_pos, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def _attend(q_tile, k_rows, v_rows, start, stop, q_pos, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+            LOW_HALF: tl.constexpr = False):
     """Online softmax of q_tile [R, D] (pre-scaled, bf16) over keys start..stop-1 of one head's cache rows, key j
-    visible to query row r when j ≤ q_pos[r]. Returns (unnormalised output [R, D], running max [R], sum [R])."""
+    visible to query row r when j ≤ q_pos[r]. Returns (unnormalised output [R, D], running max [R], sum [R]).
+
+    The softmax weights multiply the values as two bf16 parts, p's nearest bf16 and the rest, summed in fp32: as
+    exact as fp32 weights (the graph's Attention computes them in fp32 — one bf16 part alone changes a quarter of the
+    bf16-rounded outputs at head width 128). LOW_HALF: the tile's lower R/2 rows repeat its upper ones, so one MMA
+    takes both parts (upper rows the bf16 part, lower rows the rest; the caller adds the halves); else two MMAs."""
     d = tl.arange(0, HEAD_DIM)
-    m = tl.full([q_tile.shape[0]], NEG, tl.float32)
-    l = tl.zeros([q_tile.shape[0]], tl.float32)
-    acc = tl.zeros([q_tile.shape[0], HEAD_DIM], tl.float32)
+    R: tl.constexpr = q_tile.shape[0]
+    low = (tl.arange(0, R) >= R // 2)[:, None]
+    m = tl.full([R], NEG, tl.float32)
+    l = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, HEAD_DIM], tl.float32)
     for s0 in range(start, stop, BLOCK_S):
         j = s0 + tl.arange(0, BLOCK_S)
         inside = j < stop
         kt = tl.load(k_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
         vt = tl.load(v_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
-        scores = mma(q_tile, tl.trans(kt), tl.zeros([q_tile.shape[0], BLOCK_S], tl.float32))
+        scores = mma(q_tile, tl.trans(kt), tl.zeros([R, BLOCK_S], tl.float32))
         scores = tl.where(inside[None, :] & (j[None, :] <= q_pos[:, None]), scores, -float("inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = mma(p.to(tl.bfloat16), vt, acc * alpha[:, None])
+        p_hi = p.to(tl.bfloat16).to(tl.float32)
+        if LOW_HALF:
+            acc = mma(tl.where(low, p - p_hi, p_hi).to(tl.bfloat16), vt, acc * alpha[:, None])
+        else:
+            acc = mma(p_hi.to(tl.bfloat16), vt, acc * alpha[:, None])
+            acc = mma((p - p_hi).to(tl.bfloat16), vt, acc)
         m = m_new
     return acc, m, l
 
@@ -284,26 +297,35 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
             tl.store(v_cache + row + half, tl.load(v_src + half))
             tl.store(v_cache + row + HALF + half, tl.load(v_src + HALF + half))
             tl.debug_barrier()  # the block's stores are visible to its loads of the last chunk
-        r = tl.arange(0, 16)  # one MMA tile of rows; G of them are real
-        valid = r < G
-        head = g * G + tl.where(valid, r, 0)
+        # one MMA tile of 16 rows: rows r and r + 8 are query head g·G + r (r < G), the second copy for the low part
+        # of the softmax weights (_attend's LOW_HALF): the tile's spare rows, so the exact product costs no MMA more
+        tl.static_assert(G <= 8)
+        lane = tl.arange(0, 16) % 8
+        head = g * G + tl.where(lane < G, lane, 0)
         q_src = src + head[:, None] * HEAD_DIM + half
-        q1, q2 = _head_norm(tl.load(q_src, mask=valid[:, None], other=0.0).to(tl.float32),
-                            tl.load(q_src + HALF, mask=valid[:, None], other=0.0).to(tl.float32), q_norm, eps, half,
-                            HALF)
+        q1, q2 = _head_norm(tl.load(q_src, mask=(lane < G)[:, None], other=0.0).to(tl.float32),
+                            tl.load(q_src + HALF, mask=(lane < G)[:, None], other=0.0).to(tl.float32), q_norm, eps,
+                            half, HALF)
         q1, q2 = _rotate(q1, q2, co, sn)
-        scale = 1.0 / tl.sqrt(HEAD_DIM * 1.0)  # q rounded to bf16 as rotated, then scaled and rounded again
+        # q rounded to bf16 as rotated, then scaled and rounded again; the graph's scale is a bf16 constant
+        scale = (1.0 / tl.sqrt(HEAD_DIM * 1.0)).to(tl.bfloat16).to(tl.float32)
         q1 = (q1.to(tl.bfloat16).to(tl.float32) * scale).to(tl.bfloat16)
         q2 = (q2.to(tl.bfloat16).to(tl.float32) * scale).to(tl.bfloat16)
         q_tile = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (16, HEAD_DIM))
-        d = tl.arange(0, HEAD_DIM)
-        q_rows = (b * Q_HEADS + head) * HEAD_DIM
         q_pos = tl.zeros([16], tl.int64) + pos
         cache = (b * KV_HEADS + g) * max_seq * HEAD_DIM
-        part = (b * Q_HEADS + head) * MAX_CHUNKS
         start = c * CHUNK
         acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, start, tl.minimum(start + CHUNK, length), q_pos,
-                            HEAD_DIM, BLOCK_S)
+                            HEAD_DIM, BLOCK_S, LOW_HALF=True)
+        acc = tl.sum(tl.reshape(acc, (2, 8, HEAD_DIM)), axis=0)  # the two parts' products, head by head
+        m = tl.max(tl.reshape(m, (2, 8)), axis=0)  # both copies of a head have the same max and sum
+        l = tl.max(tl.reshape(l, (2, 8)), axis=0)
+        r = tl.arange(0, 8)
+        valid = r < G
+        head = g * G + tl.where(valid, r, 0)
+        d = tl.arange(0, HEAD_DIM)
+        q_rows = (b * Q_HEADS + head) * HEAD_DIM
+        part = (b * Q_HEADS + head) * MAX_CHUNKS
         if chunks == 1:
             _store_attention(out, q_rows, d, acc / l[:, None], valid, out_scale, OUT_FP8)
         else:
@@ -335,11 +357,12 @@ def _combine_chunks(out, partials, stats, part, q_rows, d, valid, chunks, out_sc
                     OUT_FP8: tl.constexpr):
     """The chunks' (unnormalised output, max, sum) of each head, combined in chunk order (L2 reads: other programs
     wrote them)."""
-    top = tl.full([16], NEG, tl.float32)
+    R: tl.constexpr = valid.shape[0]
+    top = tl.full([R], NEG, tl.float32)
     for i in range(0, chunks):
         top = tl.maximum(top, tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg"))
-    total = tl.zeros([16, HEAD_DIM], tl.float32)
-    norm = tl.zeros([16], tl.float32)
+    total = tl.zeros([R, HEAD_DIM], tl.float32)
+    norm = tl.zeros([R], tl.float32)
     for i in range(0, chunks):
         w = tl.exp(tl.load(stats + (part + i) * 2, mask=valid, other=NEG, cache_modifier=".cg") - top)
         norm += w * tl.load(stats + (part + i) * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")

@@ -26,7 +26,7 @@ def exact_linear(x, lin):
     if u is None:
         return y, None, None
     g, u = y.bfloat16().float(), (xq @ u.T).bfloat16().float()
-    return torch.nn.functional.silu(g).bfloat16().float() * u, g, u
+    return (g * torch.sigmoid(g).bfloat16().float()).bfloat16().float() * u, g, u  # the graph's Sigmoid, then Mul
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -44,7 +44,7 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
     ws = Workspace(n, 64, 1, 1, 16, 16, "cuda")
     x = torch.randn(200, k, device="cuda", generator=g).bfloat16()
     ref, gate, up_sum = exact_linear(x, lin)
-    rounding = 2 ** -6 if gated else 2 ** -7  # half an ulp per bf16 rounding: one, or four when gated
+    rounding = 5 * 2 ** -8 if gated else 2 ** -7  # half an ulp per bf16 rounding: one, or five when gated
     # FP8 wgmma sums each instruction's 32 products in the tensor core's reduced precision (gpu_linear.FP8_SPAN):
     # H200, these operands: up to 1.7e-3 beyond the roundings at outputs of about unit size
     slack = 4e-3 if fp8 else 1e-3
@@ -273,13 +273,13 @@ def mid_fp8_engine(root):
 def test_fp8_engine_follows_the_ort_fp8_twin_on_the_mid_checkpoint(tmp_path_factory):
     """Issue 11's FP8 bar on the GPU: the engine from an FP8 engine directory of the mid checkpoint (its weights.bin
     and calibration.json, opened as `--backend torch --engine DIR` opens it), teacher-forced with the greedy rows of
-    ONNX Runtime's FP8 Q/DQ twin of that directory (fp32, on the CPU). The issue asks cosine ≥ 0.999; measured on the
-    H200: min 0.9943 (the prompt's row), mean 0.9970 — the same with exact f16 sums instead of FP8 wgmma's reduced-
-    precision ones, so not the engine's arithmetic: its activations are bf16 where the twin's are fp32, and FP8
-    quantization turns that into whole FP8 steps near rounding boundaries (the twins themselves differ by 0.9905).
-    So this holds the engine to: ≥ 0.99 at every step, nearer the FP8 twin than the BF16 twin (the FP8 engine follows
-    the FP8 graph's quantization), and the BF16 engine from the same directory within 0.9998 of the BF16 twin at every
-    step (measured 0.99989). The export takes minutes of CPU: HIGGS_TEST_CACHE=DIR keeps it between runs."""
+    ONNX Runtime's bf16-rounding FP8 twin of that directory (lm.fp8.bf16ref.onnx: the FP8 graph with its bf16
+    roundings, computed on the CPU): cosine ≥ 0.999 at every step, as the issue asks. Not yet run on the code that
+    scales q by the graph's bf16 constant (the thirteenth session's device time ran out during the export); the
+    version before gave min 0.9958, its attention outputs off by that scale. Against the fp32 twin (lm.fp8.ref.onnx)
+    the engine gives 0.994: FP8 quantization turns bf16-vs-fp32 differences into whole FP8 steps (printed only).
+    The BF16 engine from the same directory stays within 0.9998 of the BF16 twin at every step (measured 0.99989).
+    The export takes minutes of CPU: HIGGS_TEST_CACHE=DIR keeps it between runs."""
     from fp8_twin import twin_logits
 
     from higgs_trt.builder.engine_weights import EngineWeights
@@ -290,17 +290,18 @@ def test_fp8_engine_follows_the_ort_fp8_twin_on_the_mid_checkpoint(tmp_path_fact
     cache = os.environ.get("HIGGS_TEST_CACHE")
     mid, engine_dir = mid_fp8_engine(Path(cache) / "mid8" if cache else tmp_path_factory.mktemp("mid8"))
     prompt = prompts(mid, ["Four score and seven years ago our fathers brought forth on this continent."])[0]
-    fp8_twin, fed = twin_logits(EngineDir(engine_dir), prompt, 16)
+    twin, fed = twin_logits(EngineDir(engine_dir), prompt, 16, "lm_fp8_bf16ref")
+    fp32_twin, _ = twin_logits(EngineDir(engine_dir), prompt, 16, "lm_fp8_ref", fed)
     bf16_twin, _ = twin_logits(EngineDir(engine_dir), prompt, 16, "lm_ref", fed)
     cosine = torch.nn.functional.cosine_similarity
 
     fp8 = teacher_forced(open_slots(open_sources("torch", engine_dir, None, None, None), device="cuda"), prompt, fed)
     fp8 = fp8.flatten(1).float().cpu()
-    to_fp8, to_bf16 = cosine(fp8, fp8_twin, dim=1), cosine(fp8, bf16_twin, dim=1)
-    print(f"mid FP8 engine against its ORT FP8 twin, 16 teacher-forced steps: cosine min {float(to_fp8.min()):.5f} "
-          f"mean {float(to_fp8.mean()):.5f}; against the BF16 twin min {float(to_bf16.min()):.5f}")
-    assert to_fp8.min() >= 0.99, to_fp8.tolist()
-    assert to_fp8[0] > to_bf16[0] and to_fp8.mean() > to_bf16.mean(), to_bf16.tolist()
+    to_twin, to_fp32 = cosine(fp8, twin, dim=1), cosine(fp8, fp32_twin, dim=1)
+    print(f"mid FP8 engine against its bf16-rounding ORT FP8 twin, 16 teacher-forced steps: cosine min "
+          f"{float(to_twin.min()):.5f} mean {float(to_twin.mean()):.5f}; against the fp32 twin min "
+          f"{float(to_fp32.min()):.5f} mean {float(to_fp32.mean()):.5f}")
+    assert to_twin.min() >= 0.999, to_twin.tolist()
 
     bf16_engine = load_gpu_engine(EngineWeights(EngineDir(engine_dir)), max_seq=160, max_batch=1, max_prompt=96)
     bf16 = cosine(teacher_forced(bf16_engine, prompt, fed).flatten(1).float().cpu(), bf16_twin, dim=1)

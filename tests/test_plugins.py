@@ -79,8 +79,10 @@ def test_manifest_records_the_plugins_and_their_ptx(tiny_plugin_engine):
 
 
 KERNEL_CHECK = r"""
-import os
+import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, TESTS)
+import triton_rne
 import numpy as np, torch
 from higgs_trt.plugins import kernels
 from higgs_trt.runtime import sampling as reference
@@ -131,6 +133,7 @@ print("ok")
 
 
 def test_kernels_compute_the_reference_semantics_in_tritons_interpreter():
-    r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True,
+    check = KERNEL_CHECK.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
