@@ -99,11 +99,15 @@ class Utterance:
     stop_reason: str | None = None
     _repeats: int = 0
     _frames: np.ndarray = field(default_factory=lambda: np.zeros((64, NUM_CODEBOOKS), np.int32))
-    _complete: int = 0  # frames de-delayed so far
 
     @property
     def done(self) -> bool:
         return self.stop_reason is not None
+
+    @property
+    def _complete(self) -> int:
+        """Frames de-delayed so far: frame t once row t + 7 exists."""
+        return max(0, len(self.rows) - NUM_CODEBOOKS + 1)
 
     def push(self, row) -> None:
         """One row; the host's per-row work, so plain Python on the row's list of codes (numpy calls on 8 values
@@ -117,11 +121,10 @@ class Utterance:
         self._repeats = self._repeats + 1 if j and codes == self.rows[-1] else 1
         self.rows.append(codes)
         if j >= NUM_CODEBOOKS - 1:
-            t = self._complete  # = j - 7
+            t = j - NUM_CODEBOOKS + 1
             if t == len(self._frames):
                 self._frames = np.concatenate([self._frames, np.zeros_like(self._frames)])
             self._frames[t] = [self.rows[t + k][k] for k in range(NUM_CODEBOOKS)]
-            self._complete = t + 1
         if not self.stop_rules:
             self.stop_reason = "cap" if len(self.rows) >= self.max_rows else None
         elif self.end_frame is not None and len(self.rows) >= self.rows_needed(self.end_frame):
