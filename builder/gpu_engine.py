@@ -537,9 +537,9 @@ class GpuEngine:
             torch.cuda.set_stream(self.stream)
             _claimed.stream = self.stream
 
-    def step(self, n: int, rows: int = 1) -> None:
-        """One row, or up to `rows` where the bucket replays several (STEP_ROWS), for every active slot below n
-        (inactive ones compute rows nobody reads)."""
+    def step(self, n: int, rows: int = 1) -> int:
+        """One row, or `rows` where the bucket replays that many (STEP_ROWS), for every active slot below n
+        (inactive ones compute rows nobody reads); returns how many."""
         n = self._bucket(n)
         rows = self.step_rows[n] if rows >= self.step_rows[n] else 1
         self._claim_stream()
@@ -549,6 +549,7 @@ class GpuEngine:
             self._decode_rows(n, rows, self.parity)
         self._record("step", self.step_slots[n], self.parity, rows)
         self.parity ^= 1
+        return rows
 
     def _record(self, kind: str, slots: list[int], parity: int = 0, rows: int = 1) -> None:
         event = None

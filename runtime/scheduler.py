@@ -6,7 +6,7 @@ One loop, shared by every backend (the slot contract: runtime/stepper.py, builde
            others play audio, at most prefill_rows prompt rows a step), which also chooses each request's row 0
   step     one row for every busy slot (the engine's batch is the bucket above the highest busy slot); the engine
            may decode several rows in one launch (MULTI_ROWS) unless someone waits to join or so many would run past
-           the row a request's first chunk needs
+           the row a request's first chunk needs; no launch once every busy request has all its rows launched
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
   release  finished or cancelled requests free their slot; the engine no longer advances it
   audio    codec windows that became decodable (runtime/streaming.py), windows of equal shape decoded in one call
@@ -61,6 +61,7 @@ class Request:
     admitted_at: float | None = None  # when the prefill call that gave it a slot began
     first_audio_at: float | None = None
     finished_at: float | None = None
+    last_launch: int = 0  # the scheduler's count of launched rows at which this request's last possible row is launched
 
     def audio(self) -> np.ndarray:
         return np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
@@ -116,7 +117,8 @@ class Scheduler:
         self.queue: deque[Request] = deque()
         self.decoding: deque[tuple[list, list]] = deque()  # a step's (windows, codec calls) whose audio is not out
         self.urgent = True  # a request has not had its first chunk yet: steps stop at the row it needs
-        self.unread: deque[int] = deque()  # rows asked of each launch (prefills: 1) the loop has not read yet
+        self.unread: deque[int] = deque()  # rows of each launch (prefills: 1) the loop has not read yet
+        self.launched = 0  # rows launched by steps so far (every busy slot takes each)
         self.seconds = dict.fromkeys(PHASES, 0.0)  # the loop's time by phase
         self.prefill_calls = 0
         self.polled = 0.0  # seconds the loop slept on a first chunk's codec call while the engine ran a step
@@ -177,11 +179,12 @@ class Scheduler:
             self._admit()
         t1 = time.perf_counter()
         busy = self.occupied
-        if busy:
-            rows = self._rows_per_step()
-            self.engine.step(busy[-1] + 1, rows)
+        rows = self._rows_per_step() if busy else 0
+        if rows:
+            rows = self.engine.step(busy[-1] + 1, rows)
+            self.launched += rows
             self.unread.append(rows)
-        keep = self.engine.lag if busy else 0
+        keep = self.engine.lag if rows else 0
         for slot, codes in self.engine.rows(keep=keep):
             request = self.slots[slot]
             if request is not None and not request.utterance.done:
@@ -250,14 +253,19 @@ class Scheduler:
             return
         for slot, request in joins:
             self.slots[slot] = request
+            request.last_launch = self.launched + request.max_rows - 1  # row 0 came from the prefill
         self.occupied = sorted(self.occupied + [slot for slot, _ in joins])
         self.urgent = True
         self.unread.append(1)  # each join's row 0
 
     def _rows_per_step(self) -> int:
         """MULTI_ROWS, unless someone waits to join, or a launch of that many rows could run past the row whose
-        codes make a request's first window due: its first audio would then wait for the rows after it. Rows still
-        unread are counted as the launches asked for them (an engine may decode fewer)."""
+        codes make a request's first window due: its first audio would then wait for the rows after it. Never more
+        than the busy requests can still use (their row caps; 0: no launch): read one launch late, rows past every
+        cap would be decoded for nobody and hold up the next join's prefill behind them."""
+        left = max(self.slots[s].last_launch for s in self.occupied) - self.launched
+        if left <= 0:
+            return 0
         if self.queue:
             return 1
         if self.urgent:
@@ -266,7 +274,7 @@ class Scheduler:
                 request = self.slots[slot]
                 if not request.planned and needed - len(request.utterance.rows) < MULTI_ROWS:
                     return 1
-        return MULTI_ROWS
+        return min(MULTI_ROWS, left)
 
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""

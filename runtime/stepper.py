@@ -1,8 +1,8 @@
 """The slot contract over an engine graph that is called from the host (ONNX Runtime, TensorRT, the torch reference).
 
 The scheduler (runtime/scheduler.py) drives every backend through the same seven calls: `prefill(joins)` (a list of
-(slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n)`, `rows(keep)`,
-`release(slot)`, `codec(codes, keep)` (windows of equal length → a handle: `ready()`, and `result()` the audio of
+(slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n, rows)` (returns
+how many rows it decodes: up to `rows`), `rows(keep)`, `release(slot)`, `codec(codes, keep)` (windows of equal length → a handle: `ready()`, and `result()` the audio of
 frames `keep` of each window, so that an engine may decode audio while it decodes rows, and skip the samples no
 kept one depends on; host-driven ones decode whole windows and return the kept audio done, as `Decoded`), `busy()`
 (a launched step still runs: never, for a host-driven engine) and `prepare_codec(plan)` (once per scheduler, before
@@ -54,14 +54,16 @@ class HostStepper:
         self.sampling[slot], self.live[slot] = sampling, True
         self._choose(slot, logits[0], codes[0])
 
-    def step(self, n: int, rows: int = 1) -> None:
-        """One row for the live slots below n (a host-driven engine gains nothing from more rows per call)."""
+    def step(self, n: int, rows: int = 1) -> int:
+        """One row for the live slots below n (a host-driven engine gains nothing from more rows per call); returns
+        the rows decoded: 1."""
         feeds = step_feeds(self.fed[:n], self.write_pos[:n], self.row[:n], self.end[:n])
         logits, codes = self.backend.lm(feeds)
         for slot in range(n):
             if self.live[slot]:
                 self.write_pos[slot] = min(self.write_pos[slot] + 1, self.max_seq - 1)
                 self._choose(slot, logits[slot], codes[slot])
+        return 1
 
     def _choose(self, slot: int, logits: np.ndarray, graph_codes: np.ndarray) -> None:
         s, row, end = self.sampling[slot], int(self.row[slot]), self.end[slot]
