@@ -63,9 +63,11 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 
 
 # Measured on the H200 (`higgs-trt bench linear`, 2026-11-30); shapes not listed use default_tiles. (N, K, fp8) →
-# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on. `prefill`: the tiles of every prefill pass (wgmma, the
-# whole K in one program, 128 or 256 rows of x per product; `bench linear --tiles prefill`, 2026-12-01), µs at M =
-# 2048 / 64 against the decode tiles' family that prefills used before.
+# tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on. `prefill`: the tiles of every prefill pass (wgmma, 128
+# or 256 rows of x per product; `bench linear --tiles prefill`, 2026-12-01), µs at M = 2048 / 64 against the decode
+# tiles' family that prefills used before. o and down take K in 4 ranges there (2026-12-02, `.device/d68.py`): split
+# programs up to 64 rows — one prompt's prefill, before every lone stream's first audio — and the ranges in one
+# program past that, the same numbers; µs at M = 48 / 2048 against the whole K in one program.
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # gate|up: 27.9 / 28.2 / 30.9 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before, 32 weight rows, persistent,
     # wide ones: 30.6 / 31.1 / 38.4); prefill 361 / 31.5 (576.7 / 39.9)
@@ -74,9 +76,9 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # prefill 367.3 / 24.3 (477.2 / 29.6)
     (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(128, 128, 1, 8, 4),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
-    # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 211.7 / 51.4 (238.0 / 58.2)
+    # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 24.0 / 224.9 at M = 48 / 2048 (whole K: 52.1 / 212.6)
     (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
+                                    prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128)),
     # 10.8 / 19.1; prefills keep these: 186.4 / 18.9 (the best whole-K tiles 160.1 / 37.0: 20 programs at 64 rows)
     (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),
     # q|k|v: 11.2 / 11.1 / 12.2 at M = 1 / 8 / 64 (2026-12-01; K in 4 ranges before: 11.6 / 11.7 / 15.4); prefill
@@ -86,11 +88,11 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # 8.5 / 8.4 / 10.7 (K in 4 ranges before: 8.5 / 8.7 / 13.4); prefill 97.1 / 12.8 (124.1 / 17.5)
     (6144, 2560, True): TileConfig(64, 256, 1, 4, 4, wide=TileConfig(64, 256, 1, 4, 3),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
-    # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 105.0 / 21.0 (114.4 / 30.3)
+    # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 12.7 / 104.3 at M = 48 / 2048 (whole K: 21.0 / 106.0)
     (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(64, 64, 1, 8, 4, rows=256)),
-    # 7.8 / 12.8; prefill 71.2 / 17.6 (138.5 / 14.1)
-    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
+                                    prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128)),
+    # 7.8 / 12.8; prefill 12.1 / 90.0 at M = 48 / 2048 (whole K: 17.6 / 72.1)
+    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, prefill=TileConfig(128, 128, 4, 8, 4, 128, rows=128)),
     # audio head: 14.9 / 16.2 (the narrow tiles at 64 rows: 20.7)
     (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128, wide=TileConfig(64, 128, 2, 4, 4, 16, rows=32)),
 }
