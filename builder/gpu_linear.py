@@ -65,7 +65,7 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 # Measured on the H200 (`higgs-trt bench linear`, 2026-11-30); shapes not listed use default_tiles. (N, K, fp8) →
 # tiles, µs at M = 1 / 64; `wide`: the tiles from 17 rows on. `prefill`: the tiles of every prefill pass (wgmma, 128
 # or 256 rows of x per product; `bench linear --tiles prefill`, 2026-12-01), µs at M = 2048 / 64 against the decode
-# tiles' family that prefills used before. o and down take K in 4 ranges there (2026-12-02, `.device/d68.py`): split
+# tiles' family that prefills used before. o and down take K in 4 ranges there (2026-12-02, `time_linear`): split
 # programs up to 64 rows — one prompt's prefill, before every lone stream's first audio — and the ranges in one
 # program past that, the same numbers; µs at M = 48 / 2048 against the whole K in one program.
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
