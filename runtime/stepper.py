@@ -2,11 +2,12 @@
 
 The scheduler (runtime/scheduler.py) drives every backend through the same seven calls: `prefill(joins)` (a list of
 (slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n, rows)` (returns
-how many rows it decodes: up to `rows`), `rows(keep)`, `release(slot)`, `codec(codes, keep)` (windows of equal length → a handle: `ready()`, and `result()` the audio of
-frames `keep` of each window, so that an engine may decode audio while it decodes rows, and skip the samples no
-kept one depends on; host-driven ones decode whole windows and return the kept audio done, as `Decoded`), `busy()`
-(a launched step still runs: never, for a host-driven engine) and `prepare_codec(plan)` (once per scheduler, before
-any request: the GPU engine captures the plan's codec windows). The GPU engine (builder/gpu_engine.py) keeps each
+how many rows it decodes: up to `rows`), `rows(keep)`, `release(slot)`, `codec(codes, keep)` (windows of equal
+length → a handle: `ready()`, and `result()` the audio of frames `keep` of each window, so that an engine may decode
+audio while it decodes rows, and skip the samples no kept one depends on; host-driven ones decode whole windows and
+return the kept audio done, as `Decoded`), `busy()` (a launched step still runs: never, for a host-driven engine)
+and `prepare_codec(plan)` (once per scheduler, before any request: the GPU engine captures the plan's codec
+windows). The GPU engine (builder/gpu_engine.py) keeps each
 slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
