@@ -7,18 +7,12 @@ Triton 3.9's interpreter rounds fp32 → bf16 toward zero where the GPU rounds t
 it round as the GPU does, so each bf16 rounding is held to half an ulp (2^-8 relative), as on the GPU.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import run_interpreted
 
-PRELUDE = f"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-import triton_rne
+PRELUDE = """
 import numpy as np, torch, torch.nn.functional as F
 from higgs_trt.builder import gpu_kernels
 from higgs_trt.plugins import kernels
@@ -28,9 +22,7 @@ torch.manual_seed(0)
 
 
 def run(body: str) -> None:
-    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body) + "\nprint('ok')"], capture_output=True,
-                       text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+    run_interpreted(PRELUDE + textwrap.dedent(body))
 
 
 LINEAR = """
@@ -302,9 +294,7 @@ for b in range(B):
 """)
 
 
-ROTATED = f"""
-import sys
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+ROTATED = """
 from decode_rows import decode_rows
 
 def check_new_rows(kc2, vc2, lengths, k_ref, v):
@@ -505,9 +495,7 @@ def test_fp8_engine_follows_the_ort_fp8_twin_teacher_forced(tiny_fp8_engine, tin
     (lm.fp8.ref.onnx) the same engine gives 0.998: FP8 quantization turns bf16-vs-fp32 differences into whole FP8
     steps. On the H200 tests/test_gpu_engine.py holds the engine to the same twin at mid width."""
     run(f"""
-import sys
 from pathlib import Path
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 from fp8_twin import twin_logits
 from higgs_trt.builder.engine_weights import EngineWeights
 from higgs_trt.builder.gpu_engine import GpuEngine

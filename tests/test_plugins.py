@@ -2,15 +2,13 @@
 Triton kernels compute the same thing (Triton's interpreter), and their AOT PTX is what the manifest records."""
 
 import hashlib
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from interpreted import run_interpreted
 
 from higgs_trt.builder.torch_backend import TorchBackend
 from higgs_trt.plugins.ops import PluginOps
@@ -79,10 +77,6 @@ def test_manifest_records_the_plugins_and_their_ptx(tiny_plugin_engine):
 
 
 KERNEL_CHECK = r"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, TESTS)
-import triton_rne
 import numpy as np, torch
 from higgs_trt.plugins import kernels
 from higgs_trt.runtime import sampling as reference
@@ -128,12 +122,8 @@ want = [[reference.sample(logits[b, k].numpy(), float(temp[b]), int(topk[b]), fl
                           reference.uniform(int(seed[b]), 30, k)) if temp[b] > 0 else int(logits[b, k].argmax())
          for k in range(K)] for b in range(B)]
 assert codes.tolist() == want, (codes.tolist(), want)
-print("ok")
 """
 
 
 def test_kernels_compute_the_reference_semantics_in_tritons_interpreter():
-    check = KERNEL_CHECK.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    run_interpreted(KERNEL_CHECK)
