@@ -111,6 +111,7 @@ class Scheduler:
         self.engine = engine
         self.plan = plan or StreamPlan.exact(engine.codec_strides)
         engine.prepare_codec(self.plan)  # e.g. the GPU engine captures the plan's codec windows, before any request
+        self.first_rows = Utterance.rows_needed(self.plan.due(0))  # a request's rows that make its first window due
         self.max_queue = max_queue
         self.prefill_rows = prefill_rows
         self.slots: list[Request | None] = [None] * engine.max_batch
@@ -271,7 +272,7 @@ class Scheduler:
         if self.queue:
             return 1
         if self.urgent:
-            needed = Utterance.rows_needed(self.plan.due(0)) - sum(self.unread)
+            needed = self.first_rows - sum(self.unread)
             for slot in self.occupied:
                 request = self.slots[slot]
                 if not request.planned and needed - len(request.utterance.rows) < MULTI_ROWS:
@@ -287,8 +288,7 @@ class Scheduler:
         if len(self.occupied) != 1:
             return False
         request = self.slots[self.occupied[0]]
-        needed = Utterance.rows_needed(self.plan.due(0))
-        return not request.emitted and len(request.utterance.rows) + sum(self.unread) >= needed
+        return not request.emitted and len(request.utterance.rows) + sum(self.unread) >= self.first_rows
 
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""
