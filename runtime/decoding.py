@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 NUM_CODEBOOKS = 8
+CODEBOOKS = range(NUM_CODEBOOKS)
 CODEBOOK_SIZE = 1024
 BOC = 1024
 EOC = 1025
@@ -110,28 +111,29 @@ class Utterance:
         return max(0, len(self.rows) - NUM_CODEBOOKS + 1)
 
     def push(self, row) -> None:
-        """One row; the host's per-row work, so plain Python on the row's list of codes (numpy calls on 8 values
-        cost several µs each)."""
-        assert not self.done, "push after the utterance ended"
-        j = len(self.rows)
+        """One row; the host's per-row work (for every busy request at every row), so plain Python on the row's list
+        of codes: numpy calls on 8 values cost several µs each."""
+        assert self.stop_reason is None, "push after the utterance ended"
+        rows = self.rows
+        j = len(rows)
         codes = row.tolist() if isinstance(row, np.ndarray) else list(row)  # a copy: backends reuse their buffers
         if EOC in codes:
             end = find_end(codes, j, NO_END if self.end_frame is None else self.end_frame)
             self.end_frame = None if end == NO_END else int(end)
-        self._repeats = self._repeats + 1 if j and codes == self.rows[-1] else 1
-        self.rows.append(codes)
-        if j >= NUM_CODEBOOKS - 1:
-            t = j - NUM_CODEBOOKS + 1
+        self._repeats = self._repeats + 1 if j and codes == rows[-1] else 1
+        rows.append(codes)
+        t = j - NUM_CODEBOOKS + 1
+        if t >= 0:
             if t == len(self._frames):
                 self._frames = np.concatenate([self._frames, np.zeros_like(self._frames)])
-            self._frames[t] = [self.rows[t + k][k] for k in range(NUM_CODEBOOKS)]
+            self._frames[t] = list(map(list.__getitem__, rows[t:], CODEBOOKS))  # codebook k of row t + k
         if not self.stop_rules:
-            self.stop_reason = "cap" if len(self.rows) >= self.max_rows else None
-        elif self.end_frame is not None and len(self.rows) >= self.rows_needed(self.end_frame):
+            self.stop_reason = "cap" if j + 1 >= self.max_rows else None
+        elif self.end_frame is not None and j + 1 >= self.rows_needed(self.end_frame):
             self.stop_reason = "eoc"
         elif self._repeats >= REPEAT_GUARD_ROWS:
             self.stop_reason = "repeat"
-        elif len(self.rows) >= self.max_rows:
+        elif j + 1 >= self.max_rows:
             self.stop_reason = "cap"
 
     @staticmethod
@@ -144,8 +146,13 @@ class Utterance:
 
     def frames(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Frames [start, stop) of the utterance [T, 8] (default: all ready ones), sanitised."""
+        return sanitize(self.codes(start, stop))
+
+    def codes(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Frames [start, stop) as decoded, special codes included (a view: sanitize before use, as `frames`
+        does; a codec call of many windows sanitizes them all at once)."""
         stop = self.ready() if stop is None else stop
-        return sanitize(self._frames[start:min(stop, self._complete)])
+        return self._frames[start:min(stop, self._complete)]
 
 
 # ---- choosing codes -------------------------------------------------------------------------------------------

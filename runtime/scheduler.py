@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .decoding import HARD_CAP_ROWS, NUM_CODEBOOKS, Sampling, Utterance, row_cap
+from .decoding import HARD_CAP_ROWS, NUM_CODEBOOKS, Sampling, Utterance, row_cap, sanitize
 from .errors import HiggsError
 from .prompt import Prompt
 from .streaming import StreamPlan
@@ -54,6 +54,7 @@ class Request:
     utterance: Utterance | None = None
     emitted: int = 0  # frames whose audio went out
     planned: int = 0  # frames whose audio went out or is being decoded
+    due: int = 0  # ready frames at which the window after `planned` falls due (0: not looked at yet)
     chunks: list = field(default_factory=list)
     cancelled: bool = False
     finished: bool = False
@@ -293,10 +294,13 @@ class Scheduler:
     def _due(self, request: Request) -> list:
         """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""
         u = request.utterance
+        if not u.done and u.ready() < request.due:  # most calls: every busy request looks at every step
+            return []
         out = []
         while window := self.plan.next_window(request.planned, u.ready(), u.done):
             out.append((request, window))
             request.planned = window.emit_to
+        request.due = self.plan.due(request.planned)
         if u.done and not out and request.emitted == request.planned:  # else its last audio finishes it
             self._finish(request)
         return out
@@ -308,8 +312,9 @@ class Scheduler:
             by_shape.setdefault((window.stop - window.start, window.keep), []).append(i)
         calls = []
         for (_, keep), group in by_shape.items():
-            codes = np.stack([windows[i][0].utterance.frames(windows[i][1].start, windows[i][1].stop).T for i in group])
-            calls.append((group, self.engine.codec(codes, keep)))
+            codes = np.stack([windows[i][0].utterance.codes(windows[i][1].start, windows[i][1].stop).T
+                              for i in group])
+            calls.append((group, self.engine.codec(sanitize(codes), keep)))
         self.codec_calls += len(calls)
         self.codec_windows += len(windows)
         self.decoding.append((windows, calls))
