@@ -1,4 +1,5 @@
-"""The bundled codec's decoder (higgs-audio-v2-tokenizer), fp32: codes [B,8,T] → waveform [B,1,960·T].
+"""The bundled codec's decoder (higgs-audio-v2-tokenizer), fp32 (the GPU engine's: fp16 convolutions,
+CodecDecoder.fp16): codes [B,8,T] → waveform [B,1,960·T].
 
 RVQ: Σ_i project_out_i(codebook_i[codes_i]) → fc2 → DAC decoder (conv1, 5 upsampling blocks of Snake +
 ConvTranspose(k=2s, stride s, padding ceil(s/2), output_padding s%2) + 3 dilated residual units, Snake, conv2;
@@ -87,8 +88,10 @@ class Snake(nn.Module):
 
 
 def snake_formula(x, alpha):
-    """x + sin(αx)² / (α + 1e-9) in torch ops (ONNX export, the CPU), α shaped to broadcast over x's channels."""
-    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+    """x + sin(αx)² / (α + 1e-9) in torch ops (ONNX export, the CPU), α shaped to broadcast over x's channels; in
+    α's precision (fp32), returned in x's."""
+    y = x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _snake_on_gpu(x, alpha):
@@ -234,15 +237,34 @@ class CropStep:
 def _conv_rows(conv, x, edges=(0, 0)):
     """conv (no bias) over channels-last rows x [B, T, C] → [B, T', C'], zeros past the window's edges: as an NHWC
     image of height 1, the layout cuDNN's tensor-core convolutions read and write (NCW input costs a transpose each
-    way around every convolution)."""
+    way around every convolution). A dilated one runs undilated over its input's d phases (_dilated_rows)."""
+    x = x.to(conv.weight.dtype)  # fp16 or fp32 (CodecDecoder.fp16)
     if any(edges):
         x = F.pad(x, (0, 0, *edges))
+    if isinstance(conv, nn.Conv1d) and conv.dilation[0] > 1:
+        return _dilated_rows(conv, x)
     image, weight = x.transpose(1, 2).unsqueeze(2), conv.weight.unsqueeze(2)
     if isinstance(conv, nn.ConvTranspose1d):
         y = F.conv_transpose2d(image, weight, stride=(1, conv.stride[0]))
     else:
-        y = F.conv2d(image, weight, dilation=(1, conv.dilation[0]))
+        y = F.conv2d(image, weight)
     return y.squeeze(2).transpose(1, 2)
+
+
+def _dilated_rows(conv, x):
+    """A convolution of dilation d over rows x [B, T, C]: output t = Σ_j w_j·x[t + j·d] only reads inputs of t's
+    phase t mod d, so x viewed as an NHWC image [B, T/d, d, C] (T padded up to a multiple of d) and convolved along
+    its height by the undilated kernel [k, 1] gives every phase at once, in the same layout. cuDNN has no fast fp16
+    kernel for some dilated shapes of the codec (H200, 64 windows: 107–133 ms for a 512-channel one with dilation 3
+    or 9, a direct grouped kernel, against 0.3–0.35 ms in TF32); undilated they take its implicit-GEMM kernels."""
+    d, k = conv.dilation[0], conv.kernel_size[0]
+    b, t, c = x.shape
+    pad = -t % d
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    image = x.view(b, (t + pad) // d, d, c).permute(0, 3, 1, 2)
+    y = F.conv2d(image, conv.weight.unsqueeze(3))
+    return y.permute(0, 2, 3, 1).reshape(b, -1, y.shape[1])[:, :t - (k - 1) * d]
 
 
 def _cropped_steps(z, steps: list[CropStep]):
@@ -276,6 +298,7 @@ class CodecDecoder(nn.Module):
         self.quantizer.quantizers = nn.ModuleList(Quantizer(dims) for _ in range(dims.num_quantizers))
         self.fc2 = nn.Linear(dims.latent_dim, dims.acoustic_dim)
         self.acoustic_decoder = AcousticDecoder(dims)
+        self.half_convs = False  # the acoustic decoder's convolutions in fp16 (fp16())
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "CodecDecoder":
@@ -297,16 +320,29 @@ class CodecDecoder(nn.Module):
                 conv.weight = nn.Parameter(weight, requires_grad=False)
         return self
 
+    def fp16(self) -> "CodecDecoder":
+        """The acoustic decoder's convolutions in fp16 (cuDNN sums in fp32) and its activations stored in fp16
+        between passes; Snake computes in fp32; the codebooks and projections, and the waveform out, stay fp32. The
+        GPU engine's codec (load_gpu_engine): half the bytes of every pass and fp16 tensor cores instead of TF32,
+        where codec calls share the GPU with decode steps; −52 dB from exact fp32 (TF32: −57 dB; H200, random
+        weights at Higgs' dimensions, README "GPU engine")."""
+        for conv in self.acoustic_decoder.modules():
+            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
+                conv.to(torch.float16)  # the weights' channels-last strides are kept
+        self.half_convs = True
+        return self
+
     def forward(self, codes, keep: tuple[int, int] | None = None):
         """codes [B, Q, T] int (0..1023) → waveform [B, 1, hop·T] fp32; with keep = (a, b) the samples of frames
-        [a, b) only, [B, 1, hop·(b − a)], computed without the rest (AcousticDecoder.cropped)."""
+        [a, b) only, [B, 1, hop·(b − a)], computed without the rest (AcousticDecoder.cropped; the whole decode of
+        an fp16 codec goes that way too, keeping every frame)."""
         latent = 0
         for i, q in enumerate(self.quantizer.quantizers):
             latent = latent + _linear(F.embedding(codes[:, i], q.codebook.embed), q.project_out)
         rows = _linear(latent, self.fc2)  # [B, T, C]: channels last
-        if keep is None:
+        if keep is None and not self.half_convs:
             return self.acoustic_decoder(rows.transpose(1, 2))
-        return self.acoustic_decoder.cropped(rows, keep)
+        return self.acoustic_decoder.cropped(rows, keep or (0, rows.shape[1])).to(rows.dtype)
 
 
 def _linear(x, layer: nn.Linear):

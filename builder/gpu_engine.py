@@ -639,9 +639,10 @@ class PendingAudio:
 
 
 def load_gpu_engine(source, *, max_seq: int, max_batch: int, max_prompt: int, act_amax: dict | None = None,
-                    say=lambda msg: None) -> GpuEngine:
+                    codec_fp16: bool = True, say=lambda msg: None) -> GpuEngine:
     """A GpuEngine from a Checkpoint or an EngineWeights (an engine directory's weights.bin): the language model's
-    tensors by their checkpoint names, the codec decoder on the same device."""
+    tensors by their checkpoint names, the codec decoder on the same device (its convolutions in fp16 unless
+    `codec_fp16` is off: TF32 then; CodecDecoder.fp16)."""
     from .codec import CodecDecoder
     from .model import HiggsLM
 
@@ -649,6 +650,8 @@ def load_gpu_engine(source, *, max_seq: int, max_batch: int, max_prompt: int, ac
     cfg = source.config
     tensors = source.take(HiggsLM.expected_tensors(cfg), "language model")
     codec = CodecDecoder.from_checkpoint(source).channels_last().to("cuda")
+    if codec_fp16:
+        codec.fp16()
     say(f"  capturing decode graphs for batches {', '.join(map(str, bucket_table(BUCKETS, max_batch)[0]))}…")
     return GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=act_amax,
                      codec=codec)

@@ -279,7 +279,8 @@ def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq,
 @triton.jit
 def snake(x, alpha, bias, out, batch_stride, n, C, inner, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """The codec's Snake activation in one pass (eager torch makes five passes over the tensor): v + sin(αv)² / (α +
-    1e-9), α per channel, v = x (+ bias per channel, a convolution's bias not yet added), fp32. Each of the B
+    1e-9), α per channel, v = x (+ bias per channel, a convolution's bias not yet added), in fp32 (x, bias and out
+    fp32 or fp16: CodecDecoder.fp16). Each of the B
     batch items holds n elements from x + b·batch_stride on (out: packed), channel (i // inner) % C: inner = T for
     [B, C, T], 1 for channels last [B, T, C]. Grid (B, ⌈n / BLOCK⌉)."""
     b = tl.program_id(0).to(tl.int64)
@@ -287,8 +288,8 @@ def snake(x, alpha, bias, out, batch_stride, n, C, inner, HAS_BIAS: tl.constexpr
     inside = i < n
     c = (i // inner) % C
     a = tl.load(alpha + c)
-    v = tl.load(x + b * batch_stride + i, mask=inside, other=0.0)
+    v = tl.load(x + b * batch_stride + i, mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        v += tl.load(bias + c)
+        v += tl.load(bias + c).to(tl.float32)
     s = tl.sin(a * v)  # libdevice sinf, not an approximation (checked in the PTX)
     tl.store(out + b * n + i, v + (1.0 / (a + 1e-9)) * (s * s), mask=inside)

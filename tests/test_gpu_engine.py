@@ -158,8 +158,8 @@ def test_captured_codec_windows_equal_the_eager_codec(tiny):
     """The engine replays a CUDA graph per window count bucket for the default plan's four window shapes (frames,
     kept frames): the kept samples of the same call made eagerly, for fresh codes at each call (the graph reads its
     input buffer, not the codes it was captured with), for a count padded up to its bucket (3 windows in the graph
-    of 4), and for a last window keeping fewer frames than the graph it replays; and within TF32's rounding of the
-    whole window decoded by torch's modules (cuDNN)."""
+    of 4), and for a last window keeping fewer frames than the graph it replays; and within fp16's rounding of the
+    whole window decoded at once (the engine's codec: CodecDecoder.fp16)."""
     engine = open_engine(tiny, max_batch=4)
     assert len(engine.codec_graphs) == 4 * len(engine.codec_buckets) == 12
     shapes = sorted({shape for _, shape in engine.codec_graphs})
@@ -171,7 +171,7 @@ def test_captured_codec_windows_equal_the_eager_codec(tiny):
         got = engine.codec(codes, keep).result()
         padded = np.zeros((engine.codec_bucket_of[windows], *codes.shape[1:]), codes.dtype)  # as the engine pads a call
         padded[:windows] = codes
-        with torch.inference_mode():  # the replayed call's shape: cuDNN's TF32 roundings depend on crop and count
+        with torch.inference_mode():  # the replayed call's shape: cuDNN's roundings depend on crop and count
             eager = engine.codec_model(torch.from_numpy(padded).cuda(), kept).cpu().numpy()[:windows]
             eager = eager[..., (keep[0] - kept[0]) * 960:(keep[1] - kept[0]) * 960]
             whole = engine.codec_model(torch.from_numpy(codes).cuda()).cpu().numpy()[..., keep[0] * 960:keep[1] * 960]
@@ -343,7 +343,9 @@ def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature,
     joined = mixed.submit(request_for(engine, ps[0], sampling[0], hard_cap=120))
     mixed.run()
     assert np.array_equal(np.stack(solo.utterance.rows), np.stack(joined.utterance.rows))
-    assert np.allclose(solo.audio(), joined.audio(), rtol=0, atol=1e-5)  # codec windows may share a call (cuDNN)
+    # windows may share a codec call, and its fp16 roundings depend on the call's window count (cuDNN's algorithms)
+    a, b = solo.audio(), joined.audio()
+    assert a.shape == b.shape and np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2)) < 1e-2
     assert all(r.finished for r in others)
 
     together = Scheduler(engine)  # prefilled in one call with the others, from the middle of the group

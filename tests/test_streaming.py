@@ -53,6 +53,40 @@ def test_a_window_decodes_its_kept_frames_alone_as_the_whole_decode_does(codec, 
     assert got.shape == whole.shape and np.abs(got - whole).max() < 1e-12 * (1 + np.abs(whole).max())
 
 
+@pytest.mark.parametrize("length", [63, 64, 70])
+@pytest.mark.parametrize("dilation", [3, 9])
+def test_a_dilated_convolution_runs_undilated_over_its_phases(length, dilation):
+    """The cropped decode's dilated convolutions (codec._dilated_rows): lengths that are and are not multiples of the
+    dilation, zeros past the window's edges."""
+    from higgs_trt.builder.codec import _conv_rows
+
+    torch.manual_seed(length)
+    conv = torch.nn.Conv1d(6, 5, 7, dilation=dilation, bias=False).double()
+    x = torch.randn(2, length, 6, dtype=torch.float64)
+    for edges in ((0, 0), (3, 9)):
+        want = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), edges), conv.weight,
+                                          dilation=dilation).transpose(1, 2)
+        got = _conv_rows(conv, x, edges)
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-12
+
+
+def test_the_fp16_codec_decodes_within_fp16s_rounding(codec, tiny_ckpt):
+    """The GPU engine's codec (CodecDecoder.fp16: every convolution and the activations between passes in fp16) gives
+    fp32 samples within fp16's rounding of the exact decode (run here on the CPU: the same ops), windows and the
+    whole alike."""
+    half = CodecDecoder.from_checkpoint(Checkpoint(tiny_ckpt)).channels_last().fp16()
+    convs = [m for m in half.acoustic_decoder.modules() if isinstance(m, torch.nn.Conv1d)]
+    assert convs and all(m.weight.dtype == torch.float16 for m in convs)
+    frames = np.random.default_rng(1).integers(0, 1024, size=(45, 8))
+    for keep in ((10, 35), None):
+        want = decode(codec, frames, keep)
+        with torch.no_grad():
+            got = half(torch.from_numpy(frames.T[None].astype(np.int64)), keep)
+        assert got.dtype == torch.float32 and got.shape[-1] == want.shape[-1]
+        error_db = 10 * np.log10(np.mean((got.numpy()[0, 0] - want) ** 2) / np.mean(want ** 2))
+        assert -70 < error_db < -40, error_db  # fp16's rounding: there, and no more
+
+
 @pytest.mark.parametrize("first", [8, 2])
 @pytest.mark.parametrize("length", [5, 8, 33, 61, 100])
 def test_streamed_equals_one_shot(codec, length, first):
