@@ -109,6 +109,23 @@ def bench_attention():
     sweep_attention(HIGGS_V3, say=click.echo)
 
 
+@click.command("codec")
+@click.option("--checkpoint", type=click.Path(path_type=Path), required=True,
+              help="Checkpoint whose codec to time (`tiny-checkpoint --size real`: random weights at Higgs' dimensions).")
+@click.option("--windows", default="1,8,64", show_default=True, help="Windows per call, comma-separated (1 to 256).")
+def bench_codec(checkpoint, windows):
+    """The GPU engine's codec call (CUDA graphs) per window shape of the stream plan and window count: TF32 against
+    fp16 convolutions, ms per call and error against exact fp32 (needs a GPU)."""
+    from higgs_trt.runtime.options import sizes
+
+    counts = sizes("--windows", windows, 256)
+    with extras.needed("gpu", "bench codec"):
+        from higgs_trt.builder.checkpoint import Checkpoint
+        from higgs_trt.builder.gpu_bench import bench_codec as run_codec_bench
+    extras.require_cuda("bench codec")
+    run_codec_bench(Checkpoint(checkpoint), tuple(counts), say=click.echo)
+
+
 @click.command("profile")
 @click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True)
 @click.option("--batches", default="1,64", show_default=True, help="Batch sizes, comma-separated (1 to 64).")
@@ -432,4 +449,4 @@ def tiny_checkpoint(out_dir, seed, shards, size):
 
 COMMANDS = [export, build, calibrate, compare, tiny_checkpoint]
 BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_checkpoint, bench_linear, bench_attention,
-              bench_profile]
+              bench_codec, bench_profile]

@@ -477,6 +477,38 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
         say(f"  chunk {chunk:<4} block {block:<3} stages {stages} warps {warps}: {'  '.join(figures)}")
 
 
+# ---- the codec ------------------------------------------------------------------------------------------------------
+
+def bench_codec(ckpt, windows=(1, 8, 64), say=print) -> None:
+    """One codec call as the GPU engine replays it (a CUDA graph, channels-last rows, only the kept frames' samples)
+    for each window shape of the default stream plan and each window count: TF32 convolutions against fp16 ones
+    (CodecDecoder.fp16, the engine's), ms per call and each one's error against exact fp32 (TF32 off), random codes."""
+    from higgs_trt.runtime.streaming import StreamPlan
+
+    from .codec import CodecDecoder
+
+    models = {"TF32": CodecDecoder.from_checkpoint(ckpt).channels_last().to("cuda"),
+              "fp16": CodecDecoder.from_checkpoint(ckpt).channels_last().to("cuda").fp16()}
+    dims = models["TF32"].dims
+    rng = np.random.default_rng(0)
+    say("codec calls, ms (error against exact fp32)")
+    for frames, keep in StreamPlan.exact(dims.strides).window_shapes():
+        for n in windows:
+            codes = torch.from_numpy(rng.integers(0, dims.codebook_size, (n, dims.num_quantizers, frames))).cuda()
+            with torch.inference_mode():
+                torch.backends.cudnn.allow_tf32 = False
+                try:
+                    exact = models["TF32"](codes, keep)
+                finally:
+                    torch.backends.cudnn.allow_tf32 = True
+                figures = []
+                for name, model in models.items():
+                    ms = graph_ms(lambda: model(codes, keep))
+                    error = float(((model(codes, keep) - exact) ** 2).mean() / (exact ** 2).mean())
+                    figures.append(f"{name} {ms:6.2f} ms ({10 * np.log10(max(error, 1e-30)):5.1f} dB)")
+            say(f"  {n:2d} windows of {frames} frames, frames {keep[0]}..{keep[1]} kept: {'   '.join(figures)}")
+
+
 # ---- the decode step --------------------------------------------------------------------------------------------
 
 @dataclass

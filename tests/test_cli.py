@@ -111,9 +111,10 @@ def test_help_lists_commands():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an NVIDIA GPU")
-@pytest.mark.parametrize("command", ["kernels", "linear", "attention", "profile"])
-def test_gpu_benchmarks_without_a_gpu_are_refused_in_one_line(command):
-    r = higgs("bench", command)
+@pytest.mark.parametrize("command, args", [("kernels", ()), ("linear", ()), ("attention", ()), ("profile", ()),
+                                           ("codec", ("--checkpoint", "ckpt"))])
+def test_gpu_benchmarks_without_a_gpu_are_refused_in_one_line(command, args):
+    r = higgs("bench", command, *args)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == f"Error: bench {command} needs torch built with CUDA and an NVIDIA GPU"
 
