@@ -255,8 +255,9 @@ def _dilated_rows(conv, x):
     """A convolution of dilation d over rows x [B, T, C]: output t = Σ_j w_j·x[t + j·d] only reads inputs of t's
     phase t mod d, so x viewed as an NHWC image [B, T/d, d, C] (T padded up to a multiple of d) and convolved along
     its height by the undilated kernel [k, 1] gives every phase at once, in the same layout. cuDNN has no fast fp16
-    kernel for some dilated shapes of the codec (H200, 64 windows: 107–133 ms for a 512-channel one with dilation 3
-    or 9, a direct grouped kernel, against 0.3–0.35 ms in TF32); undilated they take its implicit-GEMM kernels."""
+    kernel for some dilated shapes of the codec (H200, 64 middle windows: 107–133 ms each for the 512-channel ones of
+    dilation 3 and 9 and the 256-channel one of dilation 9, a direct grouped kernel, against 0.29–0.36 ms in TF32);
+    undilated they take its implicit-GEMM kernels (0.13–0.20 ms in fp16)."""
     d, k = conv.dilation[0], conv.kernel_size[0]
     b, t, c = x.shape
     pad = -t % d

@@ -279,10 +279,10 @@ def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq,
 @triton.jit
 def snake(x, alpha, bias, out, batch_stride, n, C, inner, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """The codec's Snake activation in one pass (eager torch makes five passes over the tensor): v + sin(αv)² / (α +
-    1e-9), α per channel, v = x (+ bias per channel, a convolution's bias not yet added), in fp32 (x, bias and out
-    fp32 or fp16: CodecDecoder.fp16). Each of the B
-    batch items holds n elements from x + b·batch_stride on (out: packed), channel (i // inner) % C: inner = T for
-    [B, C, T], 1 for channels last [B, T, C]. Grid (B, ⌈n / BLOCK⌉)."""
+    1e-9), α per channel, v = x (+ bias per channel, a convolution's bias not yet added), computed in fp32 (x, bias
+    and out fp32, or fp16: CodecDecoder.fp16). Each of the B batch items holds n elements from x + b·batch_stride on
+    (out: packed), channel (i // inner) % C: inner = T for [B, C, T], 1 for channels last [B, T, C]. Grid (B,
+    ⌈n / BLOCK⌉)."""
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
