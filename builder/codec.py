@@ -238,7 +238,6 @@ def _conv_rows(conv, x, edges=(0, 0)):
     """conv (no bias) over channels-last rows x [B, T, C] → [B, T', C'], zeros past the window's edges: as an NHWC
     image of height 1, the layout cuDNN's tensor-core convolutions read and write (NCW input costs a transpose each
     way around every convolution). A dilated one runs undilated over its input's d phases (_dilated_rows)."""
-    x = x.to(conv.weight.dtype)  # fp16 or fp32 (CodecDecoder.fp16)
     if any(edges):
         x = F.pad(x, (0, 0, *edges))
     if isinstance(conv, nn.Conv1d) and conv.dilation[0] > 1:
@@ -299,7 +298,6 @@ class CodecDecoder(nn.Module):
         self.quantizer.quantizers = nn.ModuleList(Quantizer(dims) for _ in range(dims.num_quantizers))
         self.fc2 = nn.Linear(dims.latent_dim, dims.acoustic_dim)
         self.acoustic_decoder = AcousticDecoder(dims)
-        self.half_convs = False  # the acoustic decoder's convolutions in fp16 (fp16())
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "CodecDecoder":
@@ -330,20 +328,21 @@ class CodecDecoder(nn.Module):
         for conv in self.acoustic_decoder.modules():
             if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
                 conv.to(torch.float16)  # the weights' channels-last strides are kept
-        self.half_convs = True
         return self
 
     def forward(self, codes, keep: tuple[int, int] | None = None):
         """codes [B, Q, T] int (0..1023) → waveform [B, 1, hop·T] fp32; with keep = (a, b) the samples of frames
         [a, b) only, [B, 1, hop·(b − a)], computed without the rest (AcousticDecoder.cropped; the whole decode of
-        an fp16 codec goes that way too, keeping every frame)."""
+        an fp16 codec goes that way too, keeping every frame: its dilated convolutions run over their phases there,
+        where the modules' would take cuDNN's slow fp16 kernels)."""
         latent = 0
         for i, q in enumerate(self.quantizer.quantizers):
             latent = latent + _linear(F.embedding(codes[:, i], q.codebook.embed), q.project_out)
         rows = _linear(latent, self.fc2)  # [B, T, C]: channels last
-        if keep is None and not self.half_convs:
+        dtype = self.acoustic_decoder.conv1.weight.dtype  # the convolutions' (fp16())
+        if keep is None and dtype != torch.float16:
             return self.acoustic_decoder(rows.transpose(1, 2))
-        return self.acoustic_decoder.cropped(rows, keep or (0, rows.shape[1])).to(rows.dtype)
+        return self.acoustic_decoder.cropped(rows.to(dtype), keep or (0, rows.shape[1])).to(rows.dtype)
 
 
 def _linear(x, layer: nn.Linear):
