@@ -182,7 +182,7 @@ class Scheduler:
             self._admit()
         t1 = time.perf_counter()
         busy = self.occupied
-        held = bool(busy) and self._first_chunk_alone()
+        held = self._first_chunk_alone()
         rows = self._rows_per_step() if busy and not held else 0
         if rows:
             rows = self.engine.step(busy[-1] + 1, rows)
