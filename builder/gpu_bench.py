@@ -367,6 +367,37 @@ def sweep_prefill(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False,
     return best
 
 
+def with_tma(tiles: TileConfig, on: bool) -> TileConfig:
+    """The same tiles with every kind's loads (narrow, wide, prefill) by TMA or not."""
+    return replace(tiles, tma=on, wide=with_tma(tiles.wide, on) if tiles.wide else None,
+                   prefill=with_tma(tiles.prefill, on) if tiles.prefill else None)
+
+
+def compare_tma(cfg: HiggsConfig, budget_s: float = 120.0, fp8_options=(False, True), say=print) -> dict:
+    """Per weight shape: TUNED's tiles as they are against the same tiles with their loads by TMA (bulk tensor copies)
+    and by each thread (the same sums either way), at M = 1, 8 (narrow tiles), 64 (wide) and prefill passes of 64 and
+    2048 rows; the two alternate, each figure the better of two. Reports only: TUNED's `tma` flags are chosen from it
+    by hand, per tile kind."""
+    t_end = time.perf_counter() + budget_s
+    figures = {}
+    for name, label, n, k, gated, fp8 in _shapes_in_budget(cfg, fp8_options, t_end, say):
+        tuned = TUNED.get((n, k, fp8)) or default_tiles(n, k, fp8)
+        copies = _copies(n, k, gated, fp8)
+        runs = [(m, False) for m in (1, 8, 64)]
+        if name != "head":  # a prefill runs one row per prompt through it
+            runs += [(64, True), (2048, True)]
+        for m, prefill in runs:
+            kind = tuned.for_rows(m, prefill)
+            times = {on: min(time_linear(n, k, gated, fp8, with_tma(tuned, on), m, copies, prefill=prefill)
+                             for _ in range(2)) for on in (False, True)}
+            figures[(n, k, fp8, m, prefill)] = times
+            say(f"  {label:<10} {'prefill' if prefill else 'decode':<7} M={m:<5} loads {times[False] * 1e3:7.1f} µs"
+                f"  TMA {times[True] * 1e3:7.1f} µs  ({times[True] / times[False]:4.2f}×)"
+                + ("  (TUNED: TMA)" if kind.tma else ""))
+        del copies
+    return figures
+
+
 def _shapes_in_budget(cfg: HiggsConfig, fp8_options, t_end: float, say, order=None):
     """(name, label, N, K, gated, fp8) of each weight shape and precision to sweep (the audio head is bf16 in both
     precisions), `order`'s names first; once the time budget is spent, the rest are named as skipped."""
@@ -424,6 +455,7 @@ def _clone(lin: Linear) -> Linear:
     for attr in ("weight", "up", "scale", "up_scale"):
         value = getattr(lin, attr)
         setattr(other, attr, value.clone() if value is not None else None)
+    other._descriptors = {}
     return other
 
 

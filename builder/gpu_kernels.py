@@ -29,23 +29,34 @@ from higgs_trt.plugins.kernels import await_inputs, mma, quantize
 
 
 @triton.jit
-def _x_tile(x, rows, k, M, K: tl.constexpr, FP8: tl.constexpr, X_FP8: tl.constexpr, x_scale):
-    """Rows `rows` of x [M, K] at columns k: bf16, or FP8 codes (loaded as they are with X_FP8, else quantized
-    here); zero rows past M and columns past K."""
-    tile = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+def _x_tile(x, x_desc, m0, r, k0, M, K: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+            X_FP8: tl.constexpr, x_scale, TMA: tl.constexpr):
+    """Rows m0 + r of x [M, K] at columns k0.. k0 + BLOCK_K: bf16, or FP8 codes (loaded as they are with X_FP8, else
+    quantized here); zero rows past M and columns past K (TMA: one bulk copy, the descriptor's bounds zero-fill)."""
+    if TMA:
+        tile = x_desc.load([m0, k0])
+    else:
+        rows, k = m0 + r, k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(x + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
     if FP8 and not X_FP8:
         tile = quantize(tile.to(tl.float32), x_scale)
     return tile
 
 
 @triton.jit
-def _w_tile(w, w_rows, k, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The W tile [BLOCK_N, BLOCK_K] of rows w_rows; unmasked when K is a multiple of BLOCK_K."""
-    ptr = w + w_rows[:, None] * K + k[None, :]
-    if K % BLOCK_K == 0:
-        return tl.load(ptr)
+def _w_tile(w, w_desc, n0, w_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """The W tile [BLOCK_N, BLOCK_K] of rows w_rows (n0 on) at columns k0 on; unmasked when K is a multiple of
+    BLOCK_K. TMA: one bulk copy through the weight's descriptor, rows past N and columns past K zero-filled."""
+    if TMA:
+        tile = w_desc.load([n0, k0])
     else:
-        return tl.load(ptr, mask=k[None, :] < K, other=0.0)
+        k = k0 + tl.arange(0, BLOCK_K)
+        ptr = w + w_rows[:, None] * K + k[None, :]
+        if K % BLOCK_K == 0:
+            tile = tl.load(ptr)
+        else:
+            tile = tl.load(ptr, mask=k[None, :] < K, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -94,7 +105,7 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            ROWS: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
            OUT_F32: tl.constexpr, SPLITS_IN_PROGRAM: tl.constexpr = False, PDL: tl.constexpr = False,
            FP8_SPAN: tl.constexpr = 0, X_FP8: tl.constexpr = False, OUT_FP8: tl.constexpr = False,
-           PERSISTENT: tl.constexpr = False):
+           PERSISTENT: tl.constexpr = False, x_desc=None, w_desc=None, w_up_desc=None, TMA: tl.constexpr = False):
     """Grid (programs over M, N / BLOCK_N, SPLIT_K or 1). Each product is W·xᵀ for a weight tile [BLOCK_N, BLOCK_K]
     and ROWS rows of x (16 to 64 in a decode step, up to 256 in a prefill): the weight rows sit on the MMA's M side,
     so BLOCK_N ≥ 64 uses Hopper's wgmma, and the batch rows on its N side, where each output element is the same
@@ -111,7 +122,10 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
     PERSISTENT (split programs only, M ≤ ROWS): a 1-D grid of fewer programs than (weight tile, K range) units, each
     taking every num_programs-th unit in one loop that the compiler flattens with the K loop, so its loads run on
     into the next unit's instead of each unit paying a program's start and its first loads' latency. The same
-    units, sums and reduction as split programs: the same numbers. FP8_SPAN: see plugins/kernels.mma."""
+    units, sums and reduction as split programs: the same numbers. FP8_SPAN: see plugins/kernels.mma.
+
+    TMA: x, W (and W_up) tiles come by Hopper's bulk tensor copies through the descriptors x_desc ([M, K], blocks
+    [ROWS, BLOCK_K]) and w_desc, w_up_desc ([N, K], blocks [BLOCK_N, BLOCK_K]): the same tiles, the same sums."""
     await_inputs(PDL)
     K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # a range's columns
     if PERSISTENT:
@@ -121,21 +135,22 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
             pid_n = unit // SPLIT_K
             s = unit % SPLIT_K
             n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            y, u = _k_range(x, w, w_up, tl.where(n < N, n, 0), r, s, M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K,
-                            ROWS, FP8, X_FP8, GATED, FP8_SPAN)
+            y, u = _k_range(x, w, w_up, x_desc, w_desc, w_up_desc, pid_n * BLOCK_N, tl.where(n < N, n, 0), 0, r, s,
+                            M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K, ROWS, FP8, X_FP8, GATED, FP8_SPAN, TMA)
             _store_unit(y, u, pid_n, s, n, 0, r, M, out, res, partials, tickets, w_scale, w_up_scale, x_scale,
                         out_scale, N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, OUT_FP8)
     else:
-        _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale, out_scale, N, K, K_SPLIT,
-               BLOCK_N, BLOCK_K, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, SPLITS_IN_PROGRAM, FP8_SPAN, X_FP8,
-               OUT_FP8)
+        _tiles(x, w, w_up, x_desc, w_desc, w_up_desc, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale,
+               out_scale, N, K, K_SPLIT, BLOCK_N, BLOCK_K, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32,
+               SPLITS_IN_PROGRAM, FP8_SPAN, X_FP8, OUT_FP8, TMA)
 
 
 @triton.jit
-def _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale, out_scale, N: tl.constexpr,
-           K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-           ROWS: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
-           SPLITS_IN_PROGRAM: tl.constexpr, FP8_SPAN: tl.constexpr, X_FP8: tl.constexpr, OUT_FP8: tl.constexpr):
+def _tiles(x, w, w_up, x_desc, w_desc, w_up_desc, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale,
+           out_scale, N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr,
+           RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr, SPLITS_IN_PROGRAM: tl.constexpr, FP8_SPAN: tl.constexpr,
+           X_FP8: tl.constexpr, OUT_FP8: tl.constexpr, TMA: tl.constexpr):
     """One program per (row chunk, weight tile, K range) of the grid, or per (row chunk, weight tile) with the
     ranges in the program."""
     pid_n = tl.program_id(1)
@@ -148,32 +163,32 @@ def _tiles(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets, M, x_sc
             y = tl.full([ROWS, BLOCK_N], -0.0, tl.float32)
             u = tl.full([ROWS, BLOCK_N], -0.0, tl.float32)
             for s in tl.range(0, SPLIT_K, flatten=True):
-                a, b = _k_range(x, w, w_up, w_rows, m0 + r, s, M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K, ROWS, FP8,
-                                X_FP8, GATED, FP8_SPAN)
+                a, b = _k_range(x, w, w_up, x_desc, w_desc, w_up_desc, pid_n * BLOCK_N, w_rows, m0, r, s, M, x_scale,
+                                K, K_SPLIT, BLOCK_N, BLOCK_K, ROWS, FP8, X_FP8, GATED, FP8_SPAN, TMA)
                 y += a
                 u += b
             _epilogue(y, u, m0 + r, n, M, out, res, w_scale, w_up_scale, x_scale, out_scale, N, FP8, GATED, RESIDUAL,
                       OUT_F32, OUT_FP8)
         else:
-            y, u = _k_range(x, w, w_up, w_rows, m0 + r, tl.program_id(2), M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K,
-                            ROWS, FP8, X_FP8, GATED, FP8_SPAN)
+            y, u = _k_range(x, w, w_up, x_desc, w_desc, w_up_desc, pid_n * BLOCK_N, w_rows, m0, r, tl.program_id(2),
+                            M, x_scale, K, K_SPLIT, BLOCK_N, BLOCK_K, ROWS, FP8, X_FP8, GATED, FP8_SPAN, TMA)
             _store_unit(y, u, pid_n, tl.program_id(2), n, m0, r, M, out, res, partials, tickets, w_scale, w_up_scale,
                         x_scale, out_scale, N, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32, OUT_FP8)
 
 
 @triton.jit
-def _k_range(x, w, w_up, w_rows, rows, s, M, x_scale, K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, X_FP8: tl.constexpr, GATED: tl.constexpr,
-             FP8_SPAN: tl.constexpr):
-    """Σ over K range s of W·xᵀ (and of the up projection's when gated), from zero, as [ROWS, BLOCK_N]."""
+def _k_range(x, w, w_up, x_desc, w_desc, w_up_desc, n0, w_rows, m0, r, s, M, x_scale, K: tl.constexpr,
+             K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+             FP8: tl.constexpr, X_FP8: tl.constexpr, GATED: tl.constexpr, FP8_SPAN: tl.constexpr, TMA: tl.constexpr):
+    """Σ over K range s of W·xᵀ (and of the up projection's when gated) for x rows m0 + r and weight rows w_rows
+    (n0 on), from zero, as [ROWS, BLOCK_N]."""
     acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
     up = tl.zeros([BLOCK_N, ROWS], tl.float32)
     for k0 in range(s * K_SPLIT, tl.minimum((s + 1) * K_SPLIT, K), BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.trans(_x_tile(x, rows, k, M, K, FP8, X_FP8, x_scale))
-        acc = mma(_w_tile(w, w_rows, k, K, BLOCK_K), xt, acc, FP8_SPAN)
+        xt = tl.trans(_x_tile(x, x_desc, m0, r, k0, M, K, BLOCK_K, FP8, X_FP8, x_scale, TMA))
+        acc = mma(_w_tile(w, w_desc, n0, w_rows, k0, K, BLOCK_K, TMA), xt, acc, FP8_SPAN)
         if GATED:
-            up = mma(_w_tile(w_up, w_rows, k, K, BLOCK_K), xt, up, FP8_SPAN)
+            up = mma(_w_tile(w_up, w_up_desc, n0, w_rows, k0, K, BLOCK_K, TMA), xt, up, FP8_SPAN)
     return tl.trans(acc), tl.trans(up)
 
 

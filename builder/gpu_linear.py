@@ -5,6 +5,7 @@ that fix that order per weight shape (TileConfig; TUNED from `higgs-trt bench li
 from dataclasses import dataclass
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from higgs_trt.calibration.qdq import bf16_scale, quantize_weight
 
@@ -30,6 +31,7 @@ class TileConfig:
     persistent: int = 0  # split programs: this many per multiprocessor, each taking every n-th unit (0: one per unit)
     wide: "TileConfig | None" = None  # the tiles for 17 to 64 rows of x (a decode step's batch)
     prefill: "TileConfig | None" = None  # the tiles of every prefill pass, whatever its rows
+    tma: bool = False  # tiles by bulk tensor copies (Hopper's TMA) instead of per-thread loads: the same sums
 
     def __post_init__(self):
         # A row's numbers depend on the K ranges and on the MMA instruction (16 or 32 weight rows: mma.sync; 64 or
@@ -71,28 +73,30 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # gate|up: 27.9 / 28.2 / 30.9 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before, 32 weight rows, persistent,
     # wide ones: 30.6 / 31.1 / 38.4); prefill 361 / 31.5 (576.7 / 39.9)
-    (9728, 2560, False): TileConfig(64, 64, 1, 4, 4, prefill=TileConfig(128, 64, 1, 8, 4, rows=128)),
+    (9728, 2560, False): TileConfig(64, 64, 1, 4, 4, wide=TileConfig(64, 64, 1, 4, 4, tma=True),
+                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=128, tma=True)),
     # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
     # prefill 367.3 / 24.3 (477.2 / 29.6)
-    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(128, 128, 1, 8, 4),
+    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(128, 128, 1, 8, 4, tma=True),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 24.0 / 224.9 at M = 48 / 2048 (whole K: 52.1 / 212.6)
     (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128)),
+                                    prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128, tma=True)),
     # 10.8 / 19.1; prefills keep these: 186.4 / 18.9 (the best whole-K tiles 160.1 / 37.0: 20 programs at 64 rows)
-    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128),
+    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128, wide=TileConfig(64, 256, 8, 4, 3, 128, tma=True)),
     # q|k|v: 11.2 / 11.1 / 12.2 at M = 1 / 8 / 64 (2026-12-01; K in 4 ranges before: 11.6 / 11.7 / 15.4); prefill
     # 102.1 / 17.1 (142.3 / 20.5)
-    (6144, 2560, False): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 4),
-                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=256)),
+    (6144, 2560, False): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 5, tma=True),
+                                    prefill=TileConfig(128, 64, 1, 8, 4, rows=256, tma=True)),
     # 8.5 / 8.4 / 10.7 (K in 4 ranges before: 8.5 / 8.7 / 13.4); prefill 97.1 / 12.8 (124.1 / 17.5)
     (6144, 2560, True): TileConfig(64, 256, 1, 4, 4, wide=TileConfig(64, 256, 1, 4, 3),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 12.7 / 104.3 at M = 48 / 2048 (whole K: 21.0 / 106.0)
     (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
-                                    prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128)),
+                                    prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128, tma=True)),
     # 7.8 / 12.8; prefill 12.1 / 90.0 at M = 48 / 2048 (whole K: 17.6 / 72.1)
-    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, prefill=TileConfig(128, 128, 4, 8, 4, 128, rows=128)),
+    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, wide=TileConfig(32, 256, 4, 4, 4, 128, tma=True),
+                                   prefill=TileConfig(128, 128, 4, 8, 4, 128, rows=128, tma=True)),
     # audio head: 14.9 / 16.2 (the narrow tiles at 64 rows: 20.7)
     (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128, wide=TileConfig(64, 128, 2, 4, 4, 16, rows=32)),
 }
@@ -109,6 +113,7 @@ class Linear:
         self.weight, self.scale = self._store(weight)
         self.up, self.up_scale = self._store(up) if up is not None else (None, None)
         self.tiles = TUNED.get((self.n, self.k, self.fp8)) or default_tiles(self.n, self.k, self.fp8, device)
+        self._descriptors: dict = {}  # (weight's name, block) → its TMA descriptor
 
     def _store(self, w: torch.Tensor):
         if not self.fp8:
@@ -134,6 +139,12 @@ class Linear:
         # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
         stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
         stages = max(2, min(t.stages, SHARED_MEMORY // stage))
+        descriptors = {}
+        if t.tma:
+            descriptors = dict(x_desc=TensorDescriptor(x, [m, self.k], [self.k, 1], [rows, t.block_k]),
+                               w_desc=self._descriptor("weight", t), TMA=True)
+            if self.up is not None:
+                descriptors["w_up_desc"] = self._descriptor("up", t)
         gpu_kernels.linear[grid](
             x, self.weight, self.up if self.up is not None else self.weight,
             self.scale if self.fp8 else x, self.up_scale if self.up_scale is not None else x,
@@ -142,4 +153,10 @@ class Linear:
             FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
             SPLITS_IN_PROGRAM=in_program, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0,
             X_FP8=x.dtype == FP8_CODES, OUT_FP8=out.dtype == FP8_CODES, PERSISTENT=persistent,
-            launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages)
+            launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages, **descriptors)
+
+    def _descriptor(self, name: str, t: TileConfig) -> TensorDescriptor:
+        key = name, t.block_n, t.block_k
+        if key not in self._descriptors:
+            self._descriptors[key] = TensorDescriptor.from_tensor(getattr(self, name), [t.block_n, t.block_k])
+        return self._descriptors[key]

@@ -115,6 +115,36 @@ for fp8 in (False, True):
 """)
 
 
+def test_tma_tiles_equal_per_thread_loads_bit_for_bit():
+    """Tiles loaded by TMA (bulk tensor copies through descriptors, out-of-bounds rows and columns zero-filled) give
+    the numbers of the same tiles loaded by each thread, in every mode of the engine's launch: split programs,
+    ranges in one program, persistent units, gated, FP8, K not a multiple of the tile, fewer rows than a product
+    holds; rows past M are never written."""
+    run(LINEAR + """
+from dataclasses import replace
+from higgs_trt.builder.gpu_engine import Workspace
+from higgs_trt.builder.gpu_linear import Linear, TileConfig
+for n, k, gated, fp8, tiles, m in [(96, 200, False, False, TileConfig(64, 64, 1), 3),
+                                   (128, 192, True, True, TileConfig(64, 64, 2), 20),
+                                   (80, 208, False, True, TileConfig(64, 64, 3, persistent=1), 5),
+                                   (64, 128, True, False, TileConfig(64, 32, 2, in_program_from=16), 40),
+                                   (40, 96, False, False, TileConfig(32, 32, 1, prefill=TileConfig(64, 64, 2)), 33)]:
+    x = torch.randn(64, k).bfloat16()
+    w, up = (torch.randn(n, k) / k ** 0.5).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
+    lin = Linear(w, up if gated else None, act_amax=4.0 if fp8 else None)
+    ws = Workspace(n, 64, 1, 1, 16, 16, "cpu")
+    for prefill in (False, True):
+        outs = []
+        for tma in (False, True):
+            out = torch.full((64, n), float("nan")).bfloat16()
+            t = replace(tiles, tma=tma, prefill=replace(tiles.prefill, tma=tma) if tiles.prefill else None)
+            lin(x[:m], out, m, ws, tiles=t, prefill=prefill)
+            assert not out[:m].isnan().any() and out[m:].isnan().all()
+            outs.append(out[:m])
+        assert torch.equal(outs[0], outs[1]), (n, k, gated, fp8, tiles, prefill)
+""")
+
+
 def test_fp8_linear_takes_and_gives_codes_quantized_by_their_neighbours():
     """An FP8 linear fed codes that its producer quantized (rms_norm, gate|up) computes exactly what it computes
     quantizing bf16 rows itself; an FP8 output holds exactly the codes the next linear would make of the bf16 one."""
