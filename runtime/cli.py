@@ -11,6 +11,10 @@ from .errors import HiggsError
 
 PRECISION_HELP = ("With --engine: refuse an engine of another precision. With --checkpoint on a GPU (torch): bf16 "
                   "(default), or fp8 with scales calibrated at start-up on the built-in prompt set.")
+codec_precision_option = click.option(
+    "--codec-precision", type=click.Choice(["fp16", "tf32"]),
+    help="The GPU engine's codec convolutions: fp16 (default; fp32 sums, ~1.5× faster calls at 64 windows) or tf32 "
+         "(what the model notes recommend for the real codec: its transposed convolutions in low precision).")
 
 
 class Cli(click.Group):
@@ -38,14 +42,16 @@ def given(ctx: click.Context) -> set[str]:
     return {k for k in ctx.params if ctx.get_parameter_source(k) not in (None, click.core.ParameterSource.DEFAULT)}
 
 
-def _engine(ctx: click.Context, backend, engine, checkpoint, device, precision, max_seq, max_batch: int = 1):
-    """(sources, the slot engine, tokenizer) for `run` and the benchmarks (runtime/engines.py)."""
+def _engine(ctx: click.Context, backend, engine, checkpoint, device, precision, max_seq, max_batch: int = 1,
+            codec_precision: str | None = None):
+    """(sources, the slot engine, tokenizer) for the benchmarks (runtime/engines.py)."""
     from .engines import choose_backend, load_tokenizer, open_engine, open_sources
 
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
     sources = open_sources(name, engine, checkpoint, precision, max_seq)
     tokenizer = load_tokenizer(sources)
-    model = open_engine(sources, device=device, max_seq=max_seq, max_batch=max_batch, precision=precision, say=say)
+    model = open_engine(sources, device=device, max_seq=max_seq, max_batch=max_batch, precision=precision,
+                        codec_precision=codec_precision, say=say)
     return sources, model, tokenizer
 
 
@@ -104,6 +110,7 @@ def stream_plan_options(command):
               help="torch: cuda runs the GPU engine, cpu the fp32 reference (auto: cuda when torch sees a GPU); "
                    "trt: lean loads --lean plans with tensorrt_lean.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8"]), help=PRECISION_HELP)
+@codec_precision_option
 @click.option("--ref-codes", type=click.Path(path_type=Path), help="Voice clone: reference audio codes [T,8] (.npy).")
 @click.option("--ref-audio", type=click.Path(path_type=Path),
               help="Voice clone: a reference recording (wav/flac/ogg/mp3, mono or stereo, 1–30 s), encoded with the "
@@ -119,12 +126,13 @@ def stream_plan_options(command):
 @click.option("--stream", is_flag=True, help="Write audio as it is decoded (time to first audio on stderr).")
 @stream_plan_options
 @click.pass_context
-def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_codes, ref_audio, ref_text, temperature,
-        top_k, top_p, seed, codes_out, max_seq, stream, first_chunk, chunk, context, holdback, first_holdback):
+def run(ctx, text, out, engine, checkpoint, backend, device, precision, codec_precision, ref_codes, ref_audio, ref_text,
+        temperature, top_k, top_p, seed, codes_out, max_seq, stream, first_chunk, chunk, context, holdback,
+        first_holdback):
     """Speak TEXT into a wav file (or stream it as it is decoded)."""
     import sys
 
-    from .engines import choose_backend, load_tokenizer, open_engine, open_sources
+    from .engines import check_codec_precision, choose_backend, load_tokenizer, open_engine, open_sources
     from .options import sampling
     from .outputs import write_file
     from .prompt import build_prompt, check_text, load_reference_codes
@@ -151,11 +159,13 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
     t0 = time.perf_counter()
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
     sources = open_sources(name, engine, checkpoint, precision, max_seq)
+    check_codec_precision(sources, device, codec_precision)
     tokenizer = load_tokenizer(sources)
     if ref_audio:
         ref, done = _reference_codes(ref_audio, sources, device)
         say(done)
-    model = open_engine(sources, device=device, max_seq=max_seq, precision=precision, say=say)
+    model = open_engine(sources, device=device, max_seq=max_seq, precision=precision, codec_precision=codec_precision,
+                        say=say)
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
     prompt = build_prompt(tokenizer, text, ref, ref_text)
     request = request_for(model, prompt, settings)
@@ -204,6 +214,7 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--precision", type=click.Choice(["bf16", "fp8"]), help=PRECISION_HELP)
+@codec_precision_option
 @click.option("--max-batch", type=int, default=64, show_default=True,
               help="Engine slots: requests decoded together (at most what the engine was built for).")
 @click.option("--voices", "voices_dir", type=click.Path(path_type=Path),
@@ -220,13 +231,14 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, ref_code
                    "rules, which end random-weight utterances at 32 repeated rows, are off).")
 @stream_plan_options
 @click.pass_context
-def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_batch, voices_dir, ref_dir, max_queue,
-          timeout, fixed_length, first_chunk, chunk, context, holdback, first_holdback):
+def serve(ctx, engine, checkpoint, backend, device, host, port, precision, codec_precision, max_batch, voices_dir,
+          ref_dir, max_queue, timeout, fixed_length, first_chunk, chunk, context, holdback, first_holdback):
     """Serve OpenAI's POST /v1/audio/speech (plus /v1/models, /health, /metrics) on the in-flight scheduler."""
     import math
 
     from . import extras
-    from .engines import choose_backend, load_tokenizer, open_encoder, open_engine, open_sources, torch_on_cpu
+    from .engines import (check_codec_precision, choose_backend, load_tokenizer, open_encoder, open_engine,
+                          open_sources, torch_on_cpu)
     from .options import within
 
     with extras.needed("serve", "higgs-trt serve"):
@@ -244,10 +256,11 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, precision, max_b
     sources = open_sources(name, engine, checkpoint, precision, None)
     if name == "torch":
         torch_on_cpu(sources, device, precision)  # its option rules, before the server starts
+    check_codec_precision(sources, device, codec_precision)
     tokenizer = load_tokenizer(sources)
     voices = load_voices(voices_dir, tokenizer)  # every voice file checked before the server starts
     thread = EngineThread(lambda: open_engine(sources, device=device, max_batch=max_batch, precision=precision,
-                                              say=say),
+                                              codec_precision=codec_precision, say=say),
                           lambda: open_encoder(sources, device), tokenizer, voices, max_queue,
                           lambda strides: stream_plan(first_chunk, chunk, context, holdback, first_holdback, strides,
                                                       warn=True))
@@ -314,11 +327,13 @@ def bench():
     BF16 vs FP8 builds, kernels."""
 
 
-def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, precision, placeholder_scales):
+def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, precision, placeholder_scales,
+                  codec_precision):
     """(engine, tokenizer) a benchmark times; --placeholder-scales times FP8 from a checkpoint without calibrating
     (the scales do not change the work, only the numbers)."""
     if not placeholder_scales:
-        _, model, tokenizer = _engine(ctx, backend, engine, checkpoint, device, precision, max_seq, max_batch)
+        _, model, tokenizer = _engine(ctx, backend, engine, checkpoint, device, precision, max_seq, max_batch,
+                                      codec_precision)
         return model, tokenizer
     if not checkpoint or engine or precision != "fp8":
         raise HiggsError("--placeholder-scales times FP8 speed from a --checkpoint (with --precision fp8)")
@@ -330,7 +345,7 @@ def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, 
     sources = open_sources("torch", None, checkpoint, precision, max_seq)
     ckpt = sources.checkpoint
     model = load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(512, max_seq // 2),
-                            act_amax=placeholder_amax(ckpt.config), say=say)
+                            act_amax=placeholder_amax(ckpt.config), codec_fp16=codec_precision != "tf32", say=say)
     return model, load_tokenizer(sources)
 
 
@@ -343,6 +358,7 @@ def bench_options(command):
         click.option("--precision", type=click.Choice(["bf16", "fp8"])),
         click.option("--placeholder-scales", is_flag=True,
                      help="FP8 speed from a checkpoint with unit activation scales instead of calibrating (timing only)."),
+        codec_precision_option,
         click.option("--text", default="The quick brown fox jumps over the lazy dog, twice, and then once more.",
                      show_default=True),
         click.option("--max-seq", type=int, default=2048, show_default=True,
@@ -360,8 +376,8 @@ def bench_options(command):
 @click.option("--batches", help="Batch sizes (GPU engine: one figure each; host-driven engines: the largest, prompts "
                                 "decoded together).  [default: 1,8,64; host-driven engines: up to their slots]")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs (host-driven engines).")
-def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows, batches,
-                 repeats):
+def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, codec_precision, text,
+                 max_seq, rows, batches, repeats):
     """Time the decode loop. GPU engine: ms per step by batch size, host µs per row, audio-s/s, time to first audio,
     peak memory, ratio to the weight-read floor. Host-driven engines: ms per step, host overhead, codec, RTF."""
     from .decoding import Sampling
@@ -372,7 +388,7 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
     within("--repeats", repeats, 1, 1000)
     within("--rows", rows, 8, 2048)
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(batch_sizes), precision,
-                                     placeholder_scales)
+                                     placeholder_scales, codec_precision)
     prompt = build_prompt(tokenizer, text)
     say(f"{model.name} backend, prompt of {len(prompt)} tokens, at most {rows} rows")
     if model.name == "torch-cuda":
@@ -404,9 +420,9 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
                    "decode stream's busy time, its idle gaps by the scheduler or engine call running when each began, "
                    "the codec stream's overlap).")
 @stream_plan_options
-def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, text, max_seq, rows,
-                 concurrency, requests, temperature, stagger, ref_seconds, timeline, first_chunk, chunk, context,
-                 holdback, first_holdback):
+def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, codec_precision, text,
+                 max_seq, rows, concurrency, requests, temperature, stagger, ref_seconds, timeline, first_chunk, chunk,
+                 context, holdback, first_holdback):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
     seams unless the window options say otherwise)."""
     from .audio import MAX_SECONDS, MIN_SECONDS
@@ -425,7 +441,7 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     if timeline and (backend or ("ort" if engine else "torch")) != "torch":
         raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU")
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
-                                     placeholder_scales)
+                                     placeholder_scales, codec_precision)
     if timeline and model.name != "torch-cuda":
         raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU (none here)")
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)

@@ -81,11 +81,13 @@ def check_prompt_fits(prompt, engine: EngineDir | None) -> None:
 
 
 def open_engine(sources: Sources, *, device: str = "auto", max_seq: int = 2048, max_batch: int = 1,
-                precision: str | None = None, say=lambda msg: None):
-    """The slot engine the scheduler drives (runtime/scheduler.py)."""
+                precision: str | None = None, codec_precision: str | None = None, say=lambda msg: None):
+    """The slot engine the scheduler drives (runtime/scheduler.py). `codec_precision` (GPU engine only): fp16, the
+    default, or tf32 convolutions in its codec (CodecDecoder.fp16)."""
     engine = sources.engine
+    check_codec_precision(sources, device, codec_precision)
     if sources.backend == "torch":
-        return _torch(sources, device, max_seq, max_batch, precision, say)
+        return _torch(sources, device, max_seq, max_batch, precision, codec_precision != "tf32", say)
     if sources.backend == "trt":
         from .trt_backend import TrtBackend
 
@@ -115,7 +117,20 @@ def torch_on_cpu(sources: Sources, device: str, precision: str | None) -> bool:
     return True
 
 
-def _torch(sources: Sources, device: str, max_seq: int, max_batch: int, precision: str | None, say):
+def check_codec_precision(sources: Sources, device: str, codec_precision: str | None) -> None:
+    """--codec-precision picks the GPU engine's codec convolutions: refused where no GPU engine runs."""
+    if codec_precision is None:
+        return
+    if sources.backend != "torch":
+        raise HiggsError(f"--codec-precision applies to the GPU engine (--backend torch on a GPU); --backend "
+                         f"{sources.backend} decodes audio with the engine directory's codec graph")
+    if torch_on_cpu(sources, device, None):
+        raise HiggsError("--codec-precision applies to the GPU engine (--backend torch on a GPU); the CPU reference "
+                         "decodes audio in fp32")
+
+
+def _torch(sources: Sources, device: str, max_seq: int, max_batch: int, precision: str | None, codec_fp16: bool,
+           say):
     engine, ckpt = sources.engine, sources.checkpoint
     if torch_on_cpu(sources, device, precision):
         from higgs_trt.builder.torch_backend import TorchBackend
@@ -140,7 +155,8 @@ def _torch(sources: Sources, device: str, max_seq: int, max_batch: int, precisio
 
             say("calibrating FP8 scales on the built-in prompt set…")
             amax = calibrate(ckpt.dir, device="cuda")["activation_amax"]
-    return load_gpu_engine(source, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=amax, say=say)
+    return load_gpu_engine(source, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=amax,
+                           codec_fp16=codec_fp16, say=say)
 
 
 def open_encoder(sources: Sources, device: str = "auto"):
