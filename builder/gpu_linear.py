@@ -69,7 +69,11 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 # or 256 rows of x per product; `bench linear --tiles prefill`, 2026-12-01), µs at M = 2048 / 64 against the decode
 # tiles' family that prefills used before. o and down take K in 4 ranges there (2026-12-02, `time_linear`): split
 # programs up to 64 rows — one prompt's prefill, before every lone stream's first audio — and the ranges in one
-# program past that, the same numbers; µs at M = 48 / 2048 against the whole K in one program.
+# program past that, the same numbers; µs at M = 48 / 2048 against the whole K in one program. `tma=True` where
+# loads by TMA beat per-thread loads (`bench linear --tiles tma`, 2026-12-02, µs loads → TMA): wide FP8 o 12.8 → 11.6,
+# down 19.4 → 18.4, gate|up 23.5 → 23.7 (even; 3.434 → 3.362 ms a B=64 step with the other two), wide BF16 gate|up
+# 32.2 → 30.1, q|k|v 11.6 → 11.4; BF16 prefills at 2048 rows 0.79–0.88× (64 rows: 0.97–1.08×), FP8 o's 0.94–0.98×.
+# Narrow tiles keep per-thread loads: TMA was 1.01–1.20× slower at 1 and 8 rows.
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # gate|up: 27.9 / 28.2 / 30.9 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before, 32 weight rows, persistent,
     # wide ones: 30.6 / 31.1 / 38.4); prefill 361 / 31.5 (576.7 / 39.9)
