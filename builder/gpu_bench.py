@@ -528,11 +528,11 @@ def bench_codec(ckpt, windows=(1, 8, 64), say=print) -> None:
         for n in windows:
             codes = torch.from_numpy(rng.integers(0, dims.codebook_size, (n, dims.num_quantizers, frames))).cuda()
             with torch.inference_mode():
-                torch.backends.cudnn.allow_tf32 = False
+                tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
                 try:
                     exact = models["TF32"](codes, keep)
                 finally:
-                    torch.backends.cudnn.allow_tf32 = True
+                    torch.backends.cudnn.allow_tf32 = tf32  # the caller's setting, whatever it was
                 figures = []
                 for name, model in models.items():
                     ms = graph_ms(lambda: model(codes, keep))
