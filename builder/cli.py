@@ -102,8 +102,8 @@ def bench_linear(budget, precision, tiles):
 
 @click.command("attention")
 def bench_attention():
-    """The GPU engine's decode attention at Higgs v3's heads: chunk, key block, pipeline stages and warps timed
-    at B = 1, 8, 64 and 300, 1000 cached positions (needs a GPU)."""
+    """The GPU engine's decode attention at Higgs v3's heads: chunk, key block, pipeline stages, warps and loads (per
+    thread or TMA) timed at B = 1, 8, 64 and 300, 1000 cached positions (needs a GPU)."""
     with extras.needed("gpu", "bench attention"):
         from higgs_trt.builder.config import HIGGS_V3
         from higgs_trt.builder.gpu_bench import sweep_attention

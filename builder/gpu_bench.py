@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from higgs_trt.plugins.bench import copy_bandwidth, graph_ms
 
@@ -474,16 +475,20 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
     bandwidth = copy_bandwidth()
     b_max = max(batches)
     caches = [torch.randn(2, b_max, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    tma_descriptors = [dict(k_desc=TensorDescriptor.from_tensor(kv[0].view(-1, d), [64, d]),
+                            v_desc=TensorDescriptor.from_tensor(kv[1].view(-1, d), [64, d]), TMA=True)
+                       for kv in caches]
     qkv = torch.randn(b_max, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
     norm = torch.ones(d, device="cuda", dtype=torch.bfloat16)
     cos, sin = (t.cuda() for t in rope_table(cfg, max_seq, torch.bfloat16))
     out = torch.empty(b_max, hq * d, device="cuda", dtype=torch.bfloat16)
     pos = torch.zeros(b_max, dtype=torch.int64, device="cuda")
-    variants = [(chunk, block, stages, warps) for chunk in (256, 512) for block in (32, 64, 128) for stages in (2, 3)
-                for warps in (4, 8)]
+    variants = [(chunk, block, stages, warps, False) for chunk in (256, 512) for block in (32, 64, 128)
+                for stages in (2, 3) for warps in (4, 8)]
+    variants += [(512, 64, stages, 4, True) for stages in (2, 3)]  # keys and values by TMA (ATTENTION_TMA_BUCKETS)
     say("decode attention, µs per layer (× the copy rate's time for its keys and values) at "
         + ", ".join(f"B={b} S={c}" for b in batches for c in contexts))
-    for chunk, block, stages, warps in variants:
+    for chunk, block, stages, warps, tma in variants:
         chunks = -(-max_seq // chunk)
         partials = torch.empty(b_max, hq, chunks, d, device="cuda")
         stats = torch.empty(b_max, hq, chunks, 2, device="cuda")
@@ -494,11 +499,11 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
                 pos.fill_(context - 1)
 
                 def run():
-                    for kv in caches:
+                    for kv, descriptors in zip(caches, tma_descriptors if tma else [{}] * len(caches)):
                         kernels.decode_attention_split[(b, hkv, chunks)](
                             qkv, norm, norm, cos, sin, kv[0], kv[1], pos, out, partials, stats, tickets, max_seq,
                             cfg.rms_norm_eps, 1.0, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=chunk, BLOCK_S=block,
-                            MAX_CHUNKS=chunks, num_stages=stages, num_warps=warps)
+                            MAX_CHUNKS=chunks, num_stages=stages, num_warps=warps, **descriptors)
                 try:
                     us = graph_ms(run) / len(caches) * 1e3
                 except Exception as e:  # shared memory, registers
@@ -506,7 +511,8 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
                     continue
                 floor_us = 2 * b * hkv * context * d * 2 / bandwidth * 1e6
                 figures.append(f"{us:6.1f} ({us / floor_us:3.1f}×)")
-        say(f"  chunk {chunk:<4} block {block:<3} stages {stages} warps {warps}: {'  '.join(figures)}")
+        say(f"  chunk {chunk:<4} block {block:<3} stages {stages} warps {warps}{' TMA' if tma else '    '}: "
+            f"{'  '.join(figures)}")
 
 
 # ---- the codec ------------------------------------------------------------------------------------------------------

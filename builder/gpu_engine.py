@@ -33,6 +33,7 @@ import threading
 import numpy as np
 import torch
 import torch.nn.functional as F
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from higgs_trt.calibration.qdq import fake_quantize_weight
 from higgs_trt.plugins import kernels as plugin_kernels
@@ -70,6 +71,11 @@ ATTENTION_WARPS = 4
 # 300 positions). H200, steps side by side: FP8 B=1 1.910 → 1.851 ms, BF16 2.644 → 2.599; at B=64, 79 MB a layer
 # that L2 does not keep: 3.522 → 3.691 and 4.130 → 4.426; B=8 no gain (2.048 → 2.061).
 ATTENTION_PREFETCH_ROWS = 4
+# Steps (by bucket) whose decode attention loads its keys and values by TMA (bulk tensor copies): the same numbers as
+# per-thread loads. H200, steps side by side (300 positions, per-thread loads → TMA at 3 stages): B=32 FP8 2.652 →
+# 2.618 ms, BF16 3.392 → 3.315; slower at every other bucket (B=1 FP8 1.871 → 1.956, B=16 2.115 → 2.269, B=64 3.454
+# → 3.722; at 2 stages slower still).
+ATTENTION_TMA_BUCKETS = (32,)
 PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention program
 _claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
 
@@ -189,6 +195,10 @@ class GpuEngine:
         rows = self.pass_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
+        # each layer's key and value caches as [rows, D] for decode attention's bulk copies (ATTENTION_TMA_BUCKETS)
+        self.cache_descriptors = [
+            {name: TensorDescriptor.from_tensor(self.caches[i, j].view(-1, d), [ATTENTION_BLOCK, d])
+             for j, name in enumerate(("k_desc", "v_desc"))} for i in range(cfg.num_layers)]
         self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here
         self.x = torch.zeros(rows, h, **bf16)  # normed rows for bf16 linears and the head
         fp8 = self.precision == "fp8"  # FP8: the norms give q|k|v and gate|up codes, gate|up gives down codes
@@ -275,12 +285,13 @@ class GpuEngine:
             x = self._norm(h, layer.input_norm, n, layer.qkv)
             layer.qkv(x, self.qkv_out, n, ws)
             attn = self.attn8 if layer.o.fp8 else self.attn
+            tma = dict(self.cache_descriptors[i], TMA=True) if n in ATTENTION_TMA_BUCKETS else {}
             plugin_kernels.decode_attention_split[(n, hkv, ws.chunks)](
                 self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.caches[i, 0], self.caches[i, 1],
                 self.write_pos, attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets, self.max_seq, cfg.rms_norm_eps,
                 layer.o.x_scale, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
                 MAX_CHUNKS=ws.chunks, OUT_FP8=layer.o.fp8, num_stages=attention_stages(n),
-                num_warps=ATTENTION_WARPS, PREFETCH=self.pdl and n <= ATTENTION_PREFETCH_ROWS, **self._launch())
+                num_warps=ATTENTION_WARPS, PREFETCH=self.pdl and n <= ATTENTION_PREFETCH_ROWS, **tma, **self._launch())
             layer.o(attn, h, n, ws, residual=True)
             x = self._norm(h, layer.post_norm, n, layer.gate_up)
             layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)

@@ -73,6 +73,15 @@ def prefetch_l2(ptrs, nbytes, on):
 
 
 @triton.jit
+def _fence_async_proxy():
+    """This thread's global writes before it are ordered before later bulk copies' reads (fence.proxy.async: TMA
+    reads through the async proxy, plain stores write through the generic one). Nothing under the interpreter."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def to_fp8(v):
     """fp32 [−448, 448] → float8e4nv, round to nearest even."""
     if INTERPRETED:
@@ -187,14 +196,19 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, q_out, k_cac
 
 @triton.jit
 def _attend(q_tile, k_rows, v_rows, start, stop, q_pos, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-            LOW_HALF: tl.constexpr = False):
+            LOW_HALF: tl.constexpr = False, k_desc=None, v_desc=None, desc_row=0, TMA: tl.constexpr = False):
     """Online softmax of q_tile [R, D] (pre-scaled, bf16) over keys start..stop-1 of one head's cache rows, key j
     visible to query row r when j ≤ q_pos[r]. Returns (unnormalised output [R, D], running max [R], sum [R]).
 
     The softmax weights multiply the values as two bf16 parts, p's nearest bf16 and the rest, summed in fp32: as
     exact as fp32 weights (the graph's Attention computes them in fp32 — one bf16 part alone changes a quarter of the
     bf16-rounded outputs at head width 128). LOW_HALF: the tile's lower R/2 rows repeat its upper ones, so one MMA
-    takes both parts (upper rows the bf16 part, lower rows the rest; the caller adds the halves); else two MMAs."""
+    takes both parts (upper rows the bf16 part, lower rows the rest; the caller adds the halves); else two MMAs.
+
+    TMA: the key and value blocks come by bulk tensor copies through k_desc and v_desc (the caches as [rows, D], this
+    head's keys from row desc_row on): whole blocks, so rows past `stop` hold whatever the cache holds there (zeros
+    past its end). Their scores are masked below as the loads' zeros would be; their values are zeroed, as a stale
+    inf or NaN times a zero weight would not be: the same numbers as the masked loads."""
     d = tl.arange(0, HEAD_DIM)
     R: tl.constexpr = q_tile.shape[0]
     low = (tl.arange(0, R) >= R // 2)[:, None]
@@ -204,8 +218,14 @@ def _attend(q_tile, k_rows, v_rows, start, stop, q_pos, HEAD_DIM: tl.constexpr, 
     for s0 in range(start, stop, BLOCK_S):
         j = s0 + tl.arange(0, BLOCK_S)
         inside = j < stop
-        kt = tl.load(k_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
-        vt = tl.load(v_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
+        if TMA:
+            row = (desc_row + s0).to(tl.int32)
+            kt = k_desc.load([row, 0])
+            vt = v_desc.load([row, 0])
+            vt = tl.where(inside[:, None], vt, tl.zeros_like(vt))
+        else:
+            kt = tl.load(k_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
+            vt = tl.load(v_rows + j[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None], other=0.0)
         scores = mma(q_tile, tl.trans(kt), tl.zeros([R, BLOCK_S], tl.float32))
         scores = tl.where(inside[None, :] & (j[None, :] <= q_pos[:, None]), scores, -float("inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -252,7 +272,8 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
                            max_seq, eps, out_scale,
                            Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
-                           OUT_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                           OUT_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, k_desc=None, v_desc=None,
+                           TMA: tl.constexpr = False):
     """GPU path, one new row per batch row, from the fused q|k|v projection's rows qkv [B, (Hq + 2·Hkv)·D]: what
     qk_norm_rope_kv_write does for the row (q and k normalised per head and rotated at position write_pos[b], k and
     v written into the caches there), then attention over the prefix 0..write_pos[b] → out [B, Hq·D]. One kernel
@@ -267,7 +288,11 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
     Before the wait (PDL: while the q|k|v GEMM runs) it reads only what no kernel of this step writes: the row's
     position (advance_slots, at the end of the previous step), the RoPE table and, with PREFETCH, its chunk's cached
     keys and values, sent to L2 (written by earlier steps; the row at `pos`, rewritten below, is fetched stale
-    and never read stale: L2 is where the write goes)."""
+    and never read stale: L2 is where the write goes).
+
+    TMA: keys and values by bulk tensor copies (_attend) through k_desc and v_desc, descriptors of the caches viewed as
+    [B·Hkv·max_seq, D] with blocks [BLOCK_S, D]; the same numbers as per-thread loads. The copies read through the
+    async proxy, so the new key and value, written here through the generic one, are fenced before them."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     c = tl.program_id(2)
@@ -296,6 +321,8 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
             v_src = src + (Q_HEADS + KV_HEADS + g) * HEAD_DIM
             tl.store(v_cache + row + half, tl.load(v_src + half))
             tl.store(v_cache + row + HALF + half, tl.load(v_src + HALF + half))
+            if TMA:
+                _fence_async_proxy()
             tl.debug_barrier()  # the block's stores are visible to its loads of the last chunk
         # one MMA tile of 16 rows: rows r and r + 8 are query head g·G + r (r < G), the second copy for the low part
         # of the softmax weights (_attend's LOW_HALF): the tile's spare rows, so the exact product costs no MMA more
@@ -316,7 +343,8 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
         cache = (b * KV_HEADS + g) * max_seq * HEAD_DIM
         start = c * CHUNK
         acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, start, tl.minimum(start + CHUNK, length), q_pos,
-                            HEAD_DIM, BLOCK_S, LOW_HALF=True)
+                            HEAD_DIM, BLOCK_S, LOW_HALF=True, k_desc=k_desc, v_desc=v_desc,
+                            desc_row=(b * KV_HEADS + g) * max_seq, TMA=TMA)
         acc = tl.sum(tl.reshape(acc, (2, 8, HEAD_DIM)), axis=0)  # the two parts' products, head by head
         m = tl.max(tl.reshape(m, (2, 8)), axis=0)  # both copies of a head have the same max and sum
         l = tl.max(tl.reshape(l, (2, 8)), axis=0)

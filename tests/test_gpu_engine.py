@@ -89,6 +89,7 @@ def test_decode_attention_at_higgs_dimensions():
     """decode_attention_split from the q|k|v row: the new key and value written at each row's position, attention
     over the prefix against fp32, and the same bits alone and in the batch, with 2 or 3 pipeline stages."""
     from decode_rows import decode_rows
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_WARPS
     from higgs_trt.plugins import kernels
@@ -100,17 +101,20 @@ def test_decode_attention_at_higgs_dimensions():
     chunks = -(-S_MAX // ATTENTION_CHUNK)
     cuda = {name: t.cuda() for name, t in dict(qkv=qkv, qn=qn, kn=kn, cos=cos, sin=sin, kc=kc, vc=vc, pos=pos).items()}
 
-    def attend(rows, stages=3):
+    def attend(rows, stages=3, tma=False):
         out = torch.full((len(rows), HQ * D), float("nan"), device="cuda").bfloat16()
         kc2, vc2 = cuda["kc"][rows].clone(), cuda["vc"][rows].clone()
         parts = torch.empty(len(rows), HQ, chunks, D, device="cuda")
         stats = torch.empty(len(rows), HQ, chunks, 2, device="cuda")
         tickets = torch.zeros(len(rows) * HKV, device="cuda", dtype=torch.int32)
+        descriptors = dict(k_desc=TensorDescriptor.from_tensor(kc2.view(-1, D), [ATTENTION_BLOCK, D]),
+                           v_desc=TensorDescriptor.from_tensor(vc2.view(-1, D), [ATTENTION_BLOCK, D]),
+                           TMA=True) if tma else {}
         kernels.decode_attention_split[(len(rows), HKV, chunks)](
             cuda["qkv"][rows], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], kc2, vc2, cuda["pos"][rows], out,
             parts, stats, tickets, S_MAX, 1e-6, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D, CHUNK=ATTENTION_CHUNK,
             BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks, num_stages=stages,
-            num_warps=ATTENTION_WARPS)
+            num_warps=ATTENTION_WARPS, **descriptors)
         torch.cuda.synchronize()
         assert not tickets.any()
         return out.cpu(), kc2.cpu(), vc2.cpu()
@@ -136,8 +140,13 @@ def test_decode_attention_at_higgs_dimensions():
         ref = (torch.softmax(qs[:, None] @ keys.transpose(1, 2), -1) @ values)[:, 0]
         assert ((got[i].view(HQ, D).float() - ref).abs() <= 0.02 * ref.abs() + 2e-3).all(), n
         assert torch.equal(attend([i])[0][0], got[i])  # alone or in the batch: the same bits
-    # the pipeline stages follow the batch (gpu_engine.attention_stages): they must not change a bit
+    # the pipeline stages and the loads (per thread or TMA) follow the batch (gpu_engine.attention_stages,
+    # ATTENTION_TMA_BUCKETS): they must not change a bit, nor what is written into the caches
     assert torch.equal(attend(everyone, stages=2)[0], got)
+    by_tma, kc3, vc3 = attend(everyone, stages=2, tma=True)
+    assert torch.equal(by_tma, got)
+    assert torch.equal(kc3.view(torch.int16), kc2.view(torch.int16))
+    assert torch.equal(vc3.view(torch.int16), vc2.view(torch.int16))
 
 
 @pytest.fixture(scope="module")

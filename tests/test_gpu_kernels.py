@@ -356,12 +356,13 @@ def reference(q, kc, vc, lengths):
 
 def test_split_decode_attention_writes_the_new_key_and_reads_only_each_prefix():
     run(ATTENTION + ROTATED + """
+from triton.tools.tensor_descriptor import TensorDescriptor
 lengths = [1, 17, 40, 96, 65]
 B = len(lengths)
 qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths, Hq, Hkv, D, SM)
 chunk = 16
 chunks = -(-SM // chunk)
-def attend(rows, fp8_scale=None):
+def attend(rows, fp8_scale=None, tma=False):
     b = len(rows)
     kc2, vc2 = kc[rows].clone(), vc[rows].clone()
     out = torch.full((b, Hq * D), float("nan")).bfloat16()
@@ -369,15 +370,21 @@ def attend(rows, fp8_scale=None):
         out = torch.zeros(b, Hq * D, dtype=torch.float8_e4m3fn)
     parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
     tickets = torch.zeros(b * Hkv, dtype=torch.int32)
+    descriptors = dict(k_desc=TensorDescriptor.from_tensor(kc2.view(-1, D), [16, D]),
+                       v_desc=TensorDescriptor.from_tensor(vc2.view(-1, D), [16, D]), TMA=True) if tma else {}
     kernels.decode_attention_split[(b, Hkv, chunks)](
         qkv[rows], qn, kn, cos, sin, kc2, vc2, pos[rows], out, parts, stats, tickets, SM, 1e-6,
         fp8_scale or 1.0, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks,
-        OUT_FP8=bool(fp8_scale))
+        OUT_FP8=bool(fp8_scale), **descriptors)
     assert not tickets.any()
     return out.view(b, Hq, D), kc2, vc2
 everyone = list(range(B))
 got, kc2, vc2 = attend(everyone)
 check_new_rows(kc2, vc2, lengths, k_ref, v)
+# keys and values by bulk copies (whole blocks: the NaN past each prefix is loaded, and must not reach the result)
+by_tma, kc3, vc3 = attend(everyone, tma=True)
+assert torch.equal(by_tma, got)
+assert torch.equal(kc3.view(torch.int16), kc2.view(torch.int16)) and torch.equal(vc3.view(torch.int16), vc2.view(torch.int16))
 # the reference starts from q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested above), over the
 # keys as written: the bound measures attention, not q's roundings
 q_chain = torch.empty(B, Hq * D).bfloat16()
