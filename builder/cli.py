@@ -133,7 +133,10 @@ def bench_codec(checkpoint, windows):
 @click.option("--batches", default="1,64", show_default=True, help="Batch sizes, comma-separated (1 to 64).")
 @click.option("--context", type=click.IntRange(1, 2047), default=300, show_default=True,
               help="Cached positions of every slot (the keys attention reads).")
-def bench_profile(precision, batches, context):
+@click.option("--leave-out", is_flag=True,
+              help="Instead: the step's time as the engine runs it (CUDA graph, programmatic dependent launch) with "
+                   "the norms, attention, the GEMMs, or norms and attention left out: what each costs in the chain.")
+def bench_profile(precision, batches, context, leave_out):
     """One decode step of the GPU engine kernel by kernel (torch's profiler, no programmatic dependent launch):
     µs a layer per kernel, its share of the step, each GEMM's weight read rate. Random weights at Higgs v3's
     dimensions (needs a GPU)."""
@@ -142,10 +145,11 @@ def bench_profile(precision, batches, context):
     batch_sizes = sizes("--batches", batches, 64)
     with extras.needed("gpu", "bench profile"):
         from higgs_trt.builder.config import HIGGS_V3
-        from higgs_trt.builder.gpu_profile import profile_step
+        from higgs_trt.builder.gpu_profile import chain_costs, profile_step
     extras.require_cuda("bench profile")
     fp8_options = FP8_OPTIONS[precision]
-    profile_step(HIGGS_V3, tuple(batch_sizes), fp8_options, context, say=click.echo)
+    run = chain_costs if leave_out else profile_step
+    run(HIGGS_V3, tuple(batch_sizes), fp8_options, context, say=click.echo)
 
 
 @click.command("export")

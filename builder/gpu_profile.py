@@ -1,5 +1,6 @@
-"""`higgs-trt bench profile`: one decode step of the GPU engine kernel by kernel (needs a CUDA GPU); and
-`bench stream --timeline`: where a streaming level's time goes (profile_level, below).
+"""`higgs-trt bench profile`: one decode step of the GPU engine kernel by kernel (needs a CUDA GPU), or with
+`--leave-out` what each kernel kind costs inside the step's chain (chain_costs, below); and `bench stream --timeline`:
+where a streaming level's time goes (profile_level, below).
 
 Each kernel's GPU time from torch's profiler (CUPTI), launched without programmatic dependent launch, so that a kernel's
 time is its own and not partly its wait for the one before. Kernels are named by their place in the step (the launch
@@ -18,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from higgs_trt.plugins import kernels as plugin_kernels
+
+from . import gpu_kernels
 from .config import HiggsConfig
 from .gpu_bench import linear_bytes, placeholder_amax, random_tensors
 from .gpu_engine import GpuEngine
@@ -90,6 +94,89 @@ def profile_step(cfg: HiggsConfig, batches=(1, 64), fp8_options=(False, True), c
             engine.active.zero_()
         del engine
         torch.cuda.empty_cache()
+
+
+# ---- what each kernel kind costs inside the step (bench profile --leave-out) --------------------------------------
+
+# kernel kinds by the module attribute the engine launches them through (looked up at each launch, so replacing it
+# there replaces every launch); the audio head is a linear too
+LEAVE_OUT = {"norms": ((gpu_kernels, "rms_norm"),), "attention": ((plugin_kernels, "decode_attention_split"),),
+             "GEMMs": ((gpu_kernels, "linear"),)}
+LEFT_OUT_ROWS = (("norms",), ("attention",), ("GEMMs",), ("norms", "attention"))
+
+
+class _NotLaunched:
+    """A kernel's stand-in: its launches do nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextmanager
+def left_out(kinds):
+    """Inside, the engine's launches of these kernel kinds (LEAVE_OUT) do nothing; put back on leaving."""
+    targets = [target for kind in kinds for target in LEAVE_OUT[kind]]
+    saved = [getattr(module, name) for module, name in targets]
+    try:
+        for module, name in targets:
+            setattr(module, name, _NotLaunched())
+        yield
+    finally:
+        for (module, name), kernel in zip(targets, saved):
+            setattr(module, name, kernel)
+
+
+def chain_costs(cfg: HiggsConfig, batches=(1, 64), fp8_options=(False, True), context: int = 300,
+                max_seq: int = 2048, rounds: int = 3, say=print) -> None:
+    """The step's time as the engine runs it (one CUDA graph, programmatic dependent launch, replays back to back)
+    with each kernel kind left out: what each costs inside the chain, where a kernel's launch, wait and ramp overlap
+    its neighbours' and the profiler's times (profile_step) do not add up. What the step computes then is garbage;
+    only its time is read. Variants alternate, `rounds` times; the least time of each."""
+    tensors = random_tensors(cfg)
+    for fp8 in fp8_options:
+        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=16,
+                           act_amax=placeholder_amax(cfg) if fp8 else None, graphs=False)
+        for b in batches:
+            graphs = {kinds: _captured_step(engine, b, context, kinds) for kinds in ((),) + LEFT_OUT_ROWS}
+            times = {kinds: [] for kinds in graphs}
+            for _ in range(rounds):
+                for kinds, graph in graphs.items():
+                    times[kinds].append(_replay_ms(engine, graph, b, context))
+            full = min(times[()])
+            say(f"{engine.precision} B={b}, {context} cached positions: the step {full:.3f} ms")
+            for kinds in LEFT_OUT_ROWS:
+                t = min(times[kinds])
+                say(f"    without {' and '.join(kinds):<20} {t:7.3f} ms: {1e3 * (full - t) / cfg.num_layers:6.1f} µs a "
+                    f"layer in the chain")
+        del engine
+        torch.cuda.empty_cache()
+
+
+def _captured_step(engine: GpuEngine, b: int, context: int, kinds: tuple) -> "torch.cuda.CUDAGraph":
+    with left_out(kinds), torch.cuda.stream(engine.stream):
+        engine.active[:b] = 1
+        engine.write_pos[:b] = context
+        engine._decode(b)  # compiles what it launches, outside the capture
+        torch.cuda.current_stream().synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=engine.stream):
+            engine._decode(b)
+    return graph
+
+
+def _replay_ms(engine: GpuEngine, graph, b: int, context: int, replays: int = 100) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(engine.stream):
+        engine.active[:b] = 1
+        engine.write_pos[:b] = context
+        graph.replay()  # untimed: the first timed replay starts behind it, as in the decode loop
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        stop.record()
+        stop.synchronize()
+        engine.active.zero_()
+    return start.elapsed_time(stop) / replays
 
 
 # ---- a streaming level's timeline (bench stream --timeline) ------------------------------------------------------

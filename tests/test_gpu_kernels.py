@@ -563,13 +563,12 @@ assert cos.min() >= 0.9999, cos.tolist()
 """)
 
 
-def test_profile_labels_follow_the_engines_launch_order(tiny_ckpt):
-    """bench profile names each kernel of a step by its place: the names must follow the order in which the engine's
-    decode step launches them (recorded here around every kernel of a tiny engine's step)."""
-    run(f"""
+def recorded_step(ckpt_dir) -> str:
+    """Script lines: a tiny engine on the CPU with every kernel launch of the decode step recorded by name in
+    `launched`, after one step."""
+    return f"""
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.gpu_engine import GpuEngine
-from higgs_trt.builder.gpu_profile import label_step
 from higgs_trt.builder.model import HiggsLM
 from pathlib import Path
 
@@ -589,11 +588,19 @@ class Recorded:
 for module, name in ((gpu_kernels, "rms_norm"), (gpu_kernels, "linear"), (gpu_kernels, "advance_slots"),
                      (kernels, "decode_attention_split"), (kernels, "delayed_codebook_sample")):
     setattr(module, name, Recorded(getattr(module, name)))
-ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
+ckpt = Checkpoint(Path({str(ckpt_dir)!r}))
 tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
 engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=1, max_prompt=32, device="cpu", graphs=False)
 engine.active[:1] = 1
 engine._decode(1)
+"""
+
+
+def test_profile_labels_follow_the_engines_launch_order(tiny_ckpt):
+    """bench profile names each kernel of a step by its place: the names must follow the order in which the engine's
+    decode step launches them (recorded here around every kernel of a tiny engine's step)."""
+    run(recorded_step(tiny_ckpt) + """
+from higgs_trt.builder.gpu_profile import label_step
 labels = label_step(launched, ckpt.config.num_layers)
 assert labels[:7] == ["norm (input)", "q|k|v", "attention", "o", "norm (post)", "gate|up", "down"], labels[:7]
 assert labels[-4:] == ["norm (final)", "audio head", "codebook", "advance"]
@@ -603,6 +610,24 @@ except ValueError as e:
     assert "kernels in the step" in str(e)
 else:
     raise AssertionError("a step with a kernel missing was labelled")
+""")
+
+
+def test_leave_out_launches_none_of_a_kind_and_puts_the_kernels_back(tiny_ckpt):
+    """bench profile --leave-out times the step without a kernel kind: inside left_out the engine's step launches
+    none of it and every other kernel as before; afterwards the kernels are the ones that were there."""
+    run(recorded_step(tiny_ckpt) + """
+from higgs_trt.builder.gpu_profile import LEAVE_OUT, left_out
+every = list(launched)
+names = {"norms": "rms_norm", "attention": "decode_attention_split", "GEMMs": "linear"}
+before = {(module, name): getattr(module, name) for targets in LEAVE_OUT.values() for module, name in targets}
+for kinds in (("norms",), ("attention",), ("GEMMs",), ("norms", "attention")):
+    launched.clear()
+    with left_out(kinds):
+        engine._decode(1)
+    gone = {names[kind] for kind in kinds}
+    assert launched == [name for name in every if name not in gone], (kinds, launched)
+    assert all(getattr(module, name) is kernel for (module, name), kernel in before.items())
 """)
 
 
