@@ -563,6 +563,37 @@ assert cos.min() >= 0.9999, cos.tolist()
 """)
 
 
+def test_engine_steps_of_17_rows_decode_a_request_as_alone(tiny_ckpt):
+    """17 requests at once step in the 32-row bucket (the GEMMs' wide tiles, decode attention by TMA:
+    gpu_engine.ATTENTION_TMA_BUCKETS), one alone in the 1-row bucket (narrow tiles, per-thread loads): the request's
+    codes are the same (the tiny engine in Triton's interpreter on the CPU)."""
+    run(f"""
+from pathlib import Path
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.builder.codec import CodecDecoder
+from higgs_trt.builder.gpu_engine import GpuEngine
+from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+from higgs_trt.runtime.scheduler import Scheduler, request_for
+
+ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
+tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=32, max_prompt=32, device="cpu", graphs=False,
+                   codec=CodecDecoder.from_checkpoint(ckpt))
+tok = HiggsTokenizer(ckpt.dir / "tokenizer.json")
+prompts = [build_prompt(tok, f"Request number {{i}}, spoken among others.") for i in range(17)]
+alone = Scheduler(engine)
+solo = alone.submit(request_for(engine, prompts[0], Sampling(), hard_cap=8))
+alone.run()
+crowd = Scheduler(engine)
+requests = [crowd.submit(request_for(engine, p, Sampling(), hard_cap=8)) for p in prompts]
+crowd.run()
+assert len(solo.utterance.rows) == 8
+assert np.array_equal(np.stack(solo.utterance.rows), np.stack(requests[0].utterance.rows))
+""")
+
+
 def recorded_step(ckpt_dir) -> str:
     """Script lines: a tiny engine on the CPU with every kernel launch of the decode step recorded by name in
     `launched`, after one step."""
