@@ -11,12 +11,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from higgs_trt.plugins.bench import copy_bandwidth, graph_ms
 
 from .config import HiggsConfig
-from .gpu_engine import GpuEngine, Workspace
+from .gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, GpuEngine, Workspace, attention_tma
 from .gpu_linear import TUNED, Linear, TileConfig, default_tiles
 from .model import HiggsLM
 
@@ -475,9 +474,7 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
     bandwidth = copy_bandwidth()
     b_max = max(batches)
     caches = [torch.randn(2, b_max, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    tma_descriptors = [dict(k_desc=TensorDescriptor.from_tensor(kv[0].view(-1, d), [64, d]),
-                            v_desc=TensorDescriptor.from_tensor(kv[1].view(-1, d), [64, d]), TMA=True)
-                       for kv in caches]
+    tma_descriptors = [attention_tma(kv[0], kv[1]) for kv in caches]
     qkv = torch.randn(b_max, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
     norm = torch.ones(d, device="cuda", dtype=torch.bfloat16)
     cos, sin = (t.cuda() for t in rope_table(cfg, max_seq, torch.bfloat16))
@@ -485,7 +482,8 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
     pos = torch.zeros(b_max, dtype=torch.int64, device="cuda")
     variants = [(chunk, block, stages, warps, False) for chunk in (256, 512) for block in (32, 64, 128)
                 for stages in (2, 3) for warps in (4, 8)]
-    variants += [(512, 64, stages, 4, True) for stages in (2, 3)]  # keys and values by TMA (ATTENTION_TMA_BUCKETS)
+    # today's chunk and block with keys and values by TMA (ATTENTION_TMA_BUCKETS)
+    variants += [(ATTENTION_CHUNK, ATTENTION_BLOCK, stages, 4, True) for stages in (2, 3)]
     say("decode attention, µs per layer (× the copy rate's time for its keys and values) at "
         + ", ".join(f"B={b} S={c}" for b in batches for c in contexts))
     for chunk, block, stages, warps, tma in variants:

@@ -80,6 +80,14 @@ PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention progr
 _claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
 
 
+def attention_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, block: int = ATTENTION_BLOCK) -> dict:
+    """decode_attention_split's arguments for keys and values by TMA: descriptors of the caches [B, Hkv, S, D] as
+    [rows, D] in blocks of `block` keys."""
+    d = k_cache.shape[-1]
+    return dict(k_desc=TensorDescriptor.from_tensor(k_cache.view(-1, d), [block, d]),
+                v_desc=TensorDescriptor.from_tensor(v_cache.view(-1, d), [block, d]), TMA=True)
+
+
 def bucket_table(sizes: tuple[int, ...], most: int) -> tuple[list[int], list[int]]:
     """The sizes below `most`, then `most`; and for each count 0..most the least of them that holds it."""
     buckets = [b for b in sizes if b < most] + [most]
@@ -195,10 +203,8 @@ class GpuEngine:
         rows = self.pass_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
-        # each layer's key and value caches as [rows, D] for decode attention's bulk copies (ATTENTION_TMA_BUCKETS)
-        self.cache_descriptors = [
-            {name: TensorDescriptor.from_tensor(self.caches[i, j].view(-1, d), [ATTENTION_BLOCK, d])
-             for j, name in enumerate(("k_desc", "v_desc"))} for i in range(cfg.num_layers)]
+        # each layer's decode attention by bulk copies (ATTENTION_TMA_BUCKETS)
+        self.attention_tma = [attention_tma(self.caches[i, 0], self.caches[i, 1]) for i in range(cfg.num_layers)]
         self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here
         self.x = torch.zeros(rows, h, **bf16)  # normed rows for bf16 linears and the head
         fp8 = self.precision == "fp8"  # FP8: the norms give q|k|v and gate|up codes, gate|up gives down codes
@@ -285,7 +291,7 @@ class GpuEngine:
             x = self._norm(h, layer.input_norm, n, layer.qkv)
             layer.qkv(x, self.qkv_out, n, ws)
             attn = self.attn8 if layer.o.fp8 else self.attn
-            tma = dict(self.cache_descriptors[i], TMA=True) if n in ATTENTION_TMA_BUCKETS else {}
+            tma = self.attention_tma[i] if n in ATTENTION_TMA_BUCKETS else {}
             plugin_kernels.decode_attention_split[(n, hkv, ws.chunks)](
                 self.qkv_out, layer.q_norm, layer.k_norm, self.cos, self.sin, self.caches[i, 0], self.caches[i, 1],
                 self.write_pos, attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets, self.max_seq, cfg.rms_norm_eps,

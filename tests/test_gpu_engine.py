@@ -89,9 +89,8 @@ def test_decode_attention_at_higgs_dimensions():
     """decode_attention_split from the q|k|v row: the new key and value written at each row's position, attention
     over the prefix against fp32, and the same bits alone and in the batch, with 2 or 3 pipeline stages."""
     from decode_rows import decode_rows
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_WARPS
+    from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_WARPS, attention_tma
     from higgs_trt.plugins import kernels
 
     torch.manual_seed(0)
@@ -107,9 +106,7 @@ def test_decode_attention_at_higgs_dimensions():
         parts = torch.empty(len(rows), HQ, chunks, D, device="cuda")
         stats = torch.empty(len(rows), HQ, chunks, 2, device="cuda")
         tickets = torch.zeros(len(rows) * HKV, device="cuda", dtype=torch.int32)
-        descriptors = dict(k_desc=TensorDescriptor.from_tensor(kc2.view(-1, D), [ATTENTION_BLOCK, D]),
-                           v_desc=TensorDescriptor.from_tensor(vc2.view(-1, D), [ATTENTION_BLOCK, D]),
-                           TMA=True) if tma else {}
+        descriptors = attention_tma(kc2, vc2) if tma else {}
         kernels.decode_attention_split[(len(rows), HKV, chunks)](
             cuda["qkv"][rows], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], kc2, vc2, cuda["pos"][rows], out,
             parts, stats, tickets, S_MAX, 1e-6, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D, CHUNK=ATTENTION_CHUNK,

@@ -356,7 +356,7 @@ def reference(q, kc, vc, lengths):
 
 def test_split_decode_attention_writes_the_new_key_and_reads_only_each_prefix():
     run(ATTENTION + ROTATED + """
-from triton.tools.tensor_descriptor import TensorDescriptor
+from higgs_trt.builder.gpu_engine import attention_tma
 lengths = [1, 17, 40, 96, 65]
 B = len(lengths)
 qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths, Hq, Hkv, D, SM)
@@ -370,8 +370,7 @@ def attend(rows, fp8_scale=None, tma=False):
         out = torch.zeros(b, Hq * D, dtype=torch.float8_e4m3fn)
     parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
     tickets = torch.zeros(b * Hkv, dtype=torch.int32)
-    descriptors = dict(k_desc=TensorDescriptor.from_tensor(kc2.view(-1, D), [16, D]),
-                       v_desc=TensorDescriptor.from_tensor(vc2.view(-1, D), [16, D]), TMA=True) if tma else {}
+    descriptors = attention_tma(kc2, vc2, 16) if tma else {}
     kernels.decode_attention_split[(b, Hkv, chunks)](
         qkv[rows], qn, kn, cos, sin, kc2, vc2, pos[rows], out, parts, stats, tickets, SM, 1e-6,
         fp8_scale or 1.0, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks,
