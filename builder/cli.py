@@ -70,13 +70,14 @@ FP8_OPTIONS = {"bf16": (False,), "fp8": (True,), "both": (False, True)}  # --pre
 @click.option("--budget", type=float, default=300.0, show_default=True, help="Seconds to spend trying tile shapes.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True,
               help="Which weights' tile shapes to time (the audio head is bf16 in both).")
-@click.option("--tiles", type=click.Choice(["narrow", "wide", "persistent", "ranges", "prefill", "tma", "all"]),
+@click.option("--tiles", type=click.Choice(["narrow", "wide", "persistent", "ranges", "prefill", "tma", "step", "all"]),
               default="all", show_default=True,
               help="narrow: the tiles of up to 16 rows (they fix each shape's K ranges and MMA); wide: the tiles of "
                    "17 to 64 rows, within those; persistent: the narrow tiles with fewer programs than units; "
                    "ranges: wgmma narrow and wide tiles together, K in 1 to 8 ranges; prefill: the tiles of every "
                    "prefill pass (their own K ranges and MMA); tma: today's tiles with loads by TMA against "
-                   "loads by each thread (reports only; not part of all).")
+                   "loads by each thread (reports only; not part of all); step: the wide tiles chosen by the B=64 "
+                   "decode step's time, neighbours and waits included (36 layers; not part of all).")
 def bench_linear(budget, precision, tiles):
     """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1 to 64, and 2048 for
     prefill tiles (needs a GPU). With --tiles all the budget is split between the sweeps, each starting from the
@@ -84,7 +85,7 @@ def bench_linear(budget, precision, tiles):
     with extras.needed("gpu", "bench linear"):
         from higgs_trt.builder.config import HIGGS_V3
         from higgs_trt.builder.gpu_bench import (compare_tma, sweep_linear, sweep_persistent, sweep_prefill,
-                                                   sweep_ranges, sweep_wide)
+                                                   sweep_ranges, sweep_wide, sweep_wide_in_step)
     extras.require_cuda("bench linear")
     fp8_options = FP8_OPTIONS[precision]
     sweeps = {"narrow": ("narrow tiles (M = 1 to 16)", sweep_linear),
@@ -92,8 +93,9 @@ def bench_linear(budget, precision, tiles):
               "persistent": ("persistent programs (M = 1 to 16)", sweep_persistent),
               "ranges": ("K ranges, wgmma (M = 1 to 64)", sweep_ranges),
               "prefill": ("prefill tiles (M = 2048 and 64)", sweep_prefill),
-              "tma": ("today's tiles, loads by TMA against loads by each thread", compare_tma)}
-    chosen = [name for name in sweeps if name != "tma"] if tiles == "all" else [tiles]
+              "tma": ("today's tiles, loads by TMA against loads by each thread", compare_tma),
+              "step": ("wide tiles by the B=64 decode step's time", sweep_wide_in_step)}
+    chosen = [name for name in sweeps if name not in ("tma", "step")] if tiles == "all" else [tiles]
     for name in chosen:
         title, sweep = sweeps[name]
         click.echo(title)

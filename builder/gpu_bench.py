@@ -16,7 +16,7 @@ from higgs_trt.plugins.bench import copy_bandwidth, graph_ms
 
 from .config import HiggsConfig
 from .gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, GpuEngine, Workspace, attention_tma
-from .gpu_linear import TUNED, Linear, TileConfig, default_tiles
+from .gpu_linear import SHARED_MEMORY, TUNED, Linear, TileConfig, default_tiles
 from .model import HiggsLM
 
 REPS = 30
@@ -511,6 +511,118 @@ def sweep_attention(cfg: HiggsConfig, batches=(1, 8, 64), contexts=(300, 1000), 
                 figures.append(f"{us:6.1f} ({us / floor_us:3.1f}×)")
         say(f"  chunk {chunk:<4} block {block:<3} stages {stages} warps {warps}{' TMA' if tma else '    '}: "
             f"{'  '.join(figures)}")
+
+
+# ---- wide tiles by the decode step's time ---------------------------------------------------------------------------
+
+STEP_SHAPES = ("gate_up", "down", "o", "qkv")  # Layer attributes, in the order sweep_wide_in_step visits them
+
+
+def step_wide_candidates(base: TileConfig, k: int, gated: bool, fp8: bool) -> list[TileConfig]:
+    """Every wide tile that sums rows as `base` does (its K ranges and MMA family) and fits shared memory at 64
+    rows: block width, K block, stages, loads by TMA or by each thread, K ranges in one program or split. Today's
+    first."""
+    out = [base.wide] if base.wide is not None else []
+    for block_n in (64, 128) if base.block_n >= 64 else (16, 32):
+        for block_k in (128, 256) if fp8 else (64, 128):
+            stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 64 * 2)
+            for stages in (2, 3, 4):
+                for tma in (False, True):
+                    for in_program_from in (64, 128) if base.split_k > 1 else (64,):
+                        tiles = TileConfig(block_n, block_k, base.split_k, 8 if block_n == 128 else 4, stages,
+                                           in_program_from, tma=tma)
+                        if stage * stages <= SHARED_MEMORY and k // base.split_k >= block_k and tiles not in out:
+                            out.append(tiles)
+    return out
+
+
+def sweep_wide_in_step(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(False, True), say=print,
+                       batch: int = 64) -> dict:
+    """Wide tiles chosen by the decode step's own time at `batch` rows (its CUDA graph with programmatic dependent
+    launch: a GEMM's neighbours, waits and waves included), not a GEMM's alone: shape by shape, each candidate
+    (step_wide_candidates) in every layer, the step captured and timed; the best three and today's again,
+    alternately, three times; the least time wins. Winners go into TUNED for the rest of this process (prefills keep
+    the tiles they used)."""
+    t_end = time.perf_counter() + budget_s
+    best = {}
+    for fp8 in fp8_options:
+        best.update(_descend(_step_engine(cfg, fp8, batch), fp8, batch, t_end, say))
+        torch.cuda.empty_cache()
+    return best
+
+
+def _descend(engine: GpuEngine, fp8: bool, batch: int, t_end: float, say) -> dict:
+    best = {}
+    for name in STEP_SHAPES:
+        linears = [getattr(layer, name) for layer in engine.layers]
+        first = linears[0]
+        today = first.tiles
+
+        def step(wide):
+            for lin in linears:
+                lin.tiles = replace(today, wide=wide)
+            return _step_ms(engine, batch)
+
+        timed = []
+        for wide in step_wide_candidates(today, first.k, first.up is not None, fp8):
+            if time.perf_counter() > t_end:
+                break
+            try:
+                timed.append((step(wide), wide))
+            except Exception as e:  # shared memory, registers
+                say(f"    {wide}: {type(e).__name__}")
+        finalists = [today.wide] + [w for _, w in sorted(timed, key=lambda r: r[0])[:3] if w != today.wide]
+        times = {w: [] for w in finalists}
+        for _ in range(3):
+            for w in finalists:
+                times[w].append(step(w))
+        winner = min(finalists, key=lambda w: min(times[w]))
+        tiles = replace(today, wide=winner, prefill=today.for_rows(2048, prefill=True))
+        for lin in linears:
+            lin.tiles = tiles
+        best[(first.n, first.k, fp8)] = TUNED[(first.n, first.k, fp8)] = tiles
+        say(f"  {name:<8} {'fp8' if fp8 else 'bf16'}: {len(timed)} tiles timed; B={batch} step today "
+            f"{min(times[today.wide]):.3f} ms, {winner} {min(times[winner]):.3f} ms")
+    return best
+
+
+def _step_engine(cfg: HiggsConfig, fp8: bool, batch: int) -> GpuEngine:
+    return GpuEngine(cfg, random_tensors(cfg), max_seq=2048, max_batch=batch, max_prompt=16,
+                     act_amax=placeholder_amax(cfg) if fp8 else None, graphs=False)
+
+
+def _step_ms(engine: GpuEngine, batch: int, context: int = 300) -> float:
+    graph = captured_step(engine, batch, context)
+    return min(replay_ms(engine, graph, batch, context, replays=40) for _ in range(2))
+
+
+def captured_step(engine: GpuEngine, b: int, context: int) -> "torch.cuda.CUDAGraph":
+    """One decode step for slots [0, b) at `context` cached positions, captured (its kernels compiled first)."""
+    with torch.cuda.stream(engine.stream):
+        engine.active[:b] = 1
+        engine.write_pos[:b] = context
+        engine._decode(b)  # compiles what it launches, outside the capture
+        torch.cuda.current_stream().synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=engine.stream):
+            engine._decode(b)
+    return graph
+
+
+def replay_ms(engine: GpuEngine, graph, b: int, context: int, replays: int = 100) -> float:
+    """ms per replay of a captured step, back to back (as the decode loop launches them)."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(engine.stream):
+        engine.active[:b] = 1
+        engine.write_pos[:b] = context
+        graph.replay()  # untimed: the first timed replay starts behind it, as in the decode loop
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        stop.record()
+        stop.synchronize()
+        engine.active.zero_()
+    return start.elapsed_time(stop) / replays
 
 
 # ---- the codec ------------------------------------------------------------------------------------------------------

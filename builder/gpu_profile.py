@@ -23,7 +23,7 @@ from higgs_trt.plugins import kernels as plugin_kernels
 
 from . import gpu_kernels
 from .config import HiggsConfig
-from .gpu_bench import linear_bytes, placeholder_amax, random_tensors
+from .gpu_bench import captured_step, linear_bytes, placeholder_amax, random_tensors, replay_ms
 from .gpu_engine import GpuEngine
 
 # one layer's kernels in launch order (Triton kernel name, label), then the step's tail
@@ -137,11 +137,14 @@ def chain_costs(cfg: HiggsConfig, batches=(1, 64), fp8_options=(False, True), co
         engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=16,
                            act_amax=placeholder_amax(cfg) if fp8 else None, graphs=False)
         for b in batches:
-            graphs = {kinds: _captured_step(engine, b, context, kinds) for kinds in ((),) + LEFT_OUT_ROWS}
+            graphs = {}
+            for kinds in ((),) + LEFT_OUT_ROWS:
+                with left_out(kinds):
+                    graphs[kinds] = captured_step(engine, b, context)
             times = {kinds: [] for kinds in graphs}
             for _ in range(rounds):
                 for kinds, graph in graphs.items():
-                    times[kinds].append(_replay_ms(engine, graph, b, context))
+                    times[kinds].append(replay_ms(engine, graph, b, context))
             full = min(times[()])
             say(f"{engine.precision} B={b}, {context} cached positions: the step {full:.3f} ms")
             for kinds in LEFT_OUT_ROWS:
@@ -150,33 +153,6 @@ def chain_costs(cfg: HiggsConfig, batches=(1, 64), fp8_options=(False, True), co
                     f"layer in the chain")
         del engine
         torch.cuda.empty_cache()
-
-
-def _captured_step(engine: GpuEngine, b: int, context: int, kinds: tuple) -> "torch.cuda.CUDAGraph":
-    with left_out(kinds), torch.cuda.stream(engine.stream):
-        engine.active[:b] = 1
-        engine.write_pos[:b] = context
-        engine._decode(b)  # compiles what it launches, outside the capture
-        torch.cuda.current_stream().synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=engine.stream):
-            engine._decode(b)
-    return graph
-
-
-def _replay_ms(engine: GpuEngine, graph, b: int, context: int, replays: int = 100) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(engine.stream):
-        engine.active[:b] = 1
-        engine.write_pos[:b] = context
-        graph.replay()  # untimed: the first timed replay starts behind it, as in the decode loop
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        stop.record()
-        stop.synchronize()
-        engine.active.zero_()
-    return start.elapsed_time(stop) / replays
 
 
 # ---- a streaming level's timeline (bench stream --timeline) ------------------------------------------------------

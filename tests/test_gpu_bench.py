@@ -103,3 +103,54 @@ def test_profile_level_labels_the_loops_calls_and_puts_them_back(tiny_engine, mo
     assert {"@scheduler._admit", "@scheduler._decode", "@engine.step", "@engine.codec", "@engine.prefill"} <= names
     assert {name: Scheduler.__dict__[name] for name in gpu_profile.SCHEDULER_CALLS} == before
     assert not set(gpu_profile.ENGINE_CALLS) & set(vars(engine))
+
+
+def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
+    """`bench linear --tiles step` with a stand-in engine and step timer (on the GPU: the captured B=64 step of a
+    36-layer engine): every candidate sums rows as today's narrow tiles do, the winner (the least time of the
+    finalists' repeats) lands in every layer and in TUNED, and prefills keep the tiles they used."""
+    from dataclasses import replace
+
+    from higgs_trt.builder import gpu_bench
+    from higgs_trt.builder.config import HIGGS_V3
+    from higgs_trt.builder.gpu_linear import SHARED_MEMORY, TileConfig
+
+    tuned = dict(gpu_bench.TUNED)
+    monkeypatch.setattr(gpu_bench, "TUNED", tuned)
+    sizes = {name: shape for name, shape in gpu_bench.shapes(HIGGS_V3).items() if name in gpu_bench.STEP_SHAPES}
+
+    def engine(cfg, fp8, batch):
+        def linear(name):
+            n, k, gated = sizes[name]
+            return types.SimpleNamespace(n=n, k=k, up=object() if gated else None, tiles=tuned[n, k, fp8])
+        return types.SimpleNamespace(layers=[types.SimpleNamespace(**{name: linear(name) for name in sizes})
+                                             for _ in range(3)])
+
+    def step_ms(engine, batch):  # favours 128-deep K blocks, then fewer stages, for down; every layer must agree
+        assert len({layer.down.tiles for layer in engine.layers}) == 1
+        w = engine.layers[0].down.tiles.wide
+        return 3.0 + 0.1 * (w.block_k != 128) + 0.01 * w.stages + 0.001 * w.tma
+
+    monkeypatch.setattr(gpu_bench, "_step_engine", engine)
+    monkeypatch.setattr(gpu_bench, "_step_ms", step_ms)
+    down_key = (*sizes["down"][:2], True)
+    tuned[down_key] = replace(tuned[down_key], prefill=None)  # its prefills run its wide tiles
+    before = dict(tuned)
+    said = []
+    best = gpu_bench.sweep_wide_in_step(HIGGS_V3, 600.0, (True,), say=said.append)
+    assert len(best) == 4 and len(said) == 4, said
+    for (n, k, fp8), tiles in best.items():
+        old = before[n, k, fp8]
+        assert tuned[n, k, fp8] is tiles and isinstance(tiles, TileConfig)
+        assert (tiles.block_n, tiles.block_k, tiles.split_k) == (old.block_n, old.block_k, old.split_k)
+        assert tiles.for_rows(2048, prefill=True) == old.for_rows(2048, prefill=True)
+    down = best[down_key]
+    assert (down.wide.block_k, down.wide.stages, down.wide.tma) == (128, 2, False)
+    for n, k, gated in sizes.values():
+        base = before[n, k, True]
+        candidates = gpu_bench.step_wide_candidates(base, k, gated, True)
+        assert candidates[0] == base.wide and len(set(candidates)) == len(candidates) > 8
+        for wide in candidates:
+            replace(base, wide=wide)  # TileConfig refuses tiles that sum rows differently
+            stage = wide.block_k * (wide.block_n * (2 if gated else 1) + 128)
+            assert stage * wide.stages <= SHARED_MEMORY or wide == base.wide
