@@ -30,6 +30,7 @@ class TileConfig:
     rows: int = 64  # the most x rows per product; more rows go to more programs
     persistent: int = 0  # split programs: this many per multiprocessor, each taking every n-th unit (0: one per unit)
     wide: "TileConfig | None" = None  # the tiles for 17 to 64 rows of x (a decode step's batch)
+    wide32: "TileConfig | None" = None  # the tiles for 17 to 32 rows, where they differ from the wide ones
     prefill: "TileConfig | None" = None  # the tiles of every prefill pass, whatever its rows
     tma: bool = False  # tiles by bulk tensor copies (Hopper's TMA) instead of per-thread loads: the same sums
 
@@ -38,16 +39,18 @@ class TileConfig:
         # more: Hopper's wgmma), nothing else: the wide tiles may change anything but those. The prefill tiles may
         # change those too: a prompt's rows are only ever summed by a prefill and every prefill takes them (one
         # prompt or many, any number of rows), so prefills agree with each other, decode steps with each other.
-        if self.wide is not None and (self.wide.split_k != self.split_k
-                                      or (self.wide.block_n >= 64) != (self.block_n >= 64)):
-            raise ValueError(f"tiles {self.wide} would sum rows differently from {self}")
-        for other in (self.wide, self.prefill):
-            if other is not None and (other.wide or other.prefill):
+        for wide in (self.wide, self.wide32):
+            if wide is not None and (wide.split_k != self.split_k or (wide.block_n >= 64) != (self.block_n >= 64)):
+                raise ValueError(f"tiles {wide} would sum rows differently from {self}")
+        for other in (self.wide, self.wide32, self.prefill):
+            if other is not None and (other.wide or other.wide32 or other.prefill):
                 raise ValueError(f"tiles {other} nest tiles of their own")
 
     def for_rows(self, m: int, prefill: bool = False) -> "TileConfig":
         if prefill and self.prefill is not None:
             return self.prefill
+        if m > 16 and self.wide32 is not None and m <= 32:
+            return self.wide32
         return self.wide if self.wide is not None and m > 16 else self
 
 
@@ -81,7 +84,8 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
                                     prefill=TileConfig(128, 64, 1, 8, 4, rows=128, tma=True)),
     # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
     # prefill 367.3 / 24.3 (477.2 / 29.6)
-    # wide tiles of FP8 gate|up, down and o chosen by the B=64 step's time (.device/d95.py, nineteenth session)
+    # wide tiles of FP8 gate|up, down and o chosen by the B=64 step's time (`bench linear --tiles step`, nineteenth
+    # session); FP8 down keeps its tiles of before up to 32 rows (B=32 step 2.652 ms with the new ones, 2.589 without)
     (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 4, tma=True),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 24.0 / 224.9 at M = 48 / 2048 (whole K: 52.1 / 212.6)
@@ -90,6 +94,7 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # 10.8 / 19.1; prefills keep the wide tiles of before: 186.4 / 18.9 (the best whole-K tiles 160.1 / 37.0: 20
     # programs at 64 rows)
     (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128, wide=TileConfig(64, 128, 8, 4, 4, 128, tma=True),
+                                   wide32=TileConfig(64, 256, 8, 4, 3, 128, tma=True),
                                    prefill=TileConfig(64, 256, 8, 4, 3, 128, tma=True)),
     # q|k|v: 11.2 / 11.1 / 12.2 at M = 1 / 8 / 64 (2026-12-01; K in 4 ranges before: 11.6 / 11.7 / 15.4); prefill
     # 102.1 / 17.1 (142.3 / 20.5)

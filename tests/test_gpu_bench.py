@@ -45,9 +45,14 @@ def test_tile_configs_keep_a_decode_rows_sums_and_let_prefills_choose_theirs():
     tiles = TileConfig(32, 256, 1, wide=wide, prefill=prefill)
     assert [tiles.for_rows(m) for m in (1, 16, 17, 64)] == [tiles, tiles, wide, wide]
     assert tiles.for_rows(1, prefill=True) is prefill and tiles.for_rows(2048, prefill=True) is prefill
+    up_to_32 = TileConfig(32, 64, 1, rows=32)
+    tiles = TileConfig(32, 256, 1, wide=wide, wide32=up_to_32, prefill=prefill)
+    assert [tiles.for_rows(m) for m in (16, 17, 32, 33, 64)] == [tiles, up_to_32, up_to_32, wide, wide]
     for other_sums in (TileConfig(64, 128, 1), TileConfig(32, 128, 2)):  # another MMA family, other K ranges
         with pytest.raises(ValueError, match="sum rows differently"):
             TileConfig(32, 256, 1, wide=other_sums)
+        with pytest.raises(ValueError, match="sum rows differently"):
+            TileConfig(32, 256, 1, wide=wide, wide32=other_sums)
     with pytest.raises(ValueError, match="nest"):
         TileConfig(32, 256, 1, prefill=TileConfig(128, 64, 1, wide=TileConfig(64, 64, 1)))
 
