@@ -541,8 +541,8 @@ def sweep_wide_in_step(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(F
     """Wide tiles chosen by the decode step's own time at `batch` rows (its CUDA graph with programmatic dependent
     launch: a GEMM's neighbours, waits and waves included), not a GEMM's alone: shape by shape, each candidate
     (step_wide_candidates) in every layer, the step captured and timed; the best three and today's again,
-    alternately, three times; the least time wins. Winners go into TUNED for the rest of this process (prefills keep
-    the tiles they used)."""
+    alternately, three times; the least time wins. Winners go into TUNED for the rest of this process (prefills, and
+    up to 32 rows a shape's `wide32`, keep the tiles they used)."""
     t_end = time.perf_counter() + budget_s
     best = {}
     for fp8 in fp8_options:

@@ -49,7 +49,7 @@ class TileConfig:
     def for_rows(self, m: int, prefill: bool = False) -> "TileConfig":
         if prefill and self.prefill is not None:
             return self.prefill
-        if m > 16 and self.wide32 is not None and m <= 32:
+        if 16 < m <= 32 and self.wide32 is not None:
             return self.wide32
         return self.wide if self.wide is not None and m > 16 else self
 
