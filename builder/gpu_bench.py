@@ -16,7 +16,7 @@ from higgs_trt.plugins.bench import copy_bandwidth, graph_ms
 
 from .config import HiggsConfig
 from .gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, GpuEngine, Workspace, attention_tma
-from .gpu_linear import SHARED_MEMORY, TUNED, Linear, TileConfig, default_tiles
+from .gpu_linear import SHARED_MEMORY, TUNED, Linear, TileConfig, default_tiles, stage_bytes
 from .model import HiggsLM
 
 REPS = 30
@@ -74,7 +74,7 @@ def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[
                 continue
             for block_k in (128, 256, 512) if fp8 else (64, 128, 256):
                 for stages in (2, 3, 4):
-                    stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 16 * 2)
+                    stage = stage_bytes(block_n, block_k, 16, fp8, gated)
                     resident = min(4, (220 * 1024) // (stage * stages))
                     if resident < 1:
                         continue
@@ -158,8 +158,8 @@ def wide_candidates(base: TileConfig, n: int, k: int, gated: bool, fp8: bool, li
                 for in_program_from in modes if rows == 64 else modes[:1]:  # under 64 rows, M=64 runs in program
                     split = 1 if in_program_from <= rows else base.split_k
                     programs = -(-64 // rows) * -(-n // block_n) * split
-                    weights = block_k * block_n * (1 if fp8 else 2) * (2 if gated else 1)
-                    stage = weights + block_k * rows * 2
+                    weights = stage_bytes(block_n, block_k, 0, fp8, gated)
+                    stage = stage_bytes(block_n, block_k, rows, fp8, gated)
                     for stages in (2, 3, 4):
                         resident = min(4, (220 * 1024) // (stage * stages))
                         if resident < 1 or k // split < block_k:
@@ -525,7 +525,7 @@ def step_wide_candidates(base: TileConfig, k: int, gated: bool, fp8: bool) -> li
     out = [base.wide] if base.wide is not None else []
     for block_n in (64, 128) if base.block_n >= 64 else (16, 32):
         for block_k in (128, 256) if fp8 else (64, 128):
-            stage = block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + 64 * 2)
+            stage = stage_bytes(block_n, block_k, 64, fp8, gated)
             for stages in (2, 3, 4):
                 for tma in (False, True):
                     for in_program_from in (64, 128) if base.split_k > 1 else (64,):
@@ -546,7 +546,7 @@ def sweep_wide_in_step(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(F
     t_end = time.perf_counter() + budget_s
     best = {}
     for fp8 in fp8_options:
-        best.update(_descend(_step_engine(cfg, fp8, batch), fp8, batch, t_end, say))
+        best.update(_descend(timing_engine(cfg, fp8, batch), fp8, batch, t_end, say))
         torch.cuda.empty_cache()
     return best
 
@@ -586,9 +586,12 @@ def _descend(engine: GpuEngine, fp8: bool, batch: int, t_end: float, say) -> dic
     return best
 
 
-def _step_engine(cfg: HiggsConfig, fp8: bool, batch: int) -> GpuEngine:
-    return GpuEngine(cfg, random_tensors(cfg), max_seq=2048, max_batch=batch, max_prompt=16,
-                     act_amax=placeholder_amax(cfg) if fp8 else None, graphs=False)
+def timing_engine(cfg: HiggsConfig, fp8: bool, max_batch: int, tensors: dict | None = None,
+                  max_seq: int = 2048) -> GpuEngine:
+    """An engine of random weights (or `tensors`) whose steps the caller captures and times itself (no graphs)."""
+    return GpuEngine(cfg, tensors if tensors is not None else random_tensors(cfg), max_seq=max_seq,
+                     max_batch=max_batch, max_prompt=16, act_amax=placeholder_amax(cfg) if fp8 else None,
+                     graphs=False)
 
 
 def _step_ms(engine: GpuEngine, batch: int, context: int = 300) -> float:

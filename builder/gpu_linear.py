@@ -114,6 +114,11 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
 }
 
 
+def stage_bytes(block_n: int, block_k: int, rows: int, fp8: bool, gated: bool) -> int:
+    """Shared memory of one pipeline stage: a weight tile (two when gated) and the x rows' tile."""
+    return block_k * (block_n * (1 if fp8 else 2) * (2 if gated else 1) + rows * 2)
+
+
 class Linear:
     """One weight [N, K] (bf16, or FP8 with a scale per row) with its tile shape; `up` makes it the gated pair."""
 
@@ -148,9 +153,9 @@ class Linear:
             grid = (min(-(-self.n // t.block_n) * t.split_k, workspace.sms * t.persistent),)
         else:
             grid = (-(-m // rows), -(-self.n // t.block_n), 1 if in_program else t.split_k)
-        # pipeline stages hold a weight tile (two when gated) and the rows' x tiles: as many as shared memory takes
-        stage = t.block_k * (t.block_n * self.weight.element_size() * (2 if self.up is not None else 1) + rows * 2)
-        stages = max(2, min(t.stages, SHARED_MEMORY // stage))
+        # as many pipeline stages as shared memory takes
+        stages = max(2, min(t.stages, SHARED_MEMORY // stage_bytes(t.block_n, t.block_k, rows, self.fp8,
+                                                                    self.up is not None)))
         descriptors = {}
         if t.tma:
             descriptors = dict(x_desc=TensorDescriptor(x, [m, self.k], [self.k, 1], [rows, t.block_k]),

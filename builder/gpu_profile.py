@@ -23,7 +23,7 @@ from higgs_trt.plugins import kernels as plugin_kernels
 
 from . import gpu_kernels
 from .config import HiggsConfig
-from .gpu_bench import captured_step, linear_bytes, placeholder_amax, random_tensors, replay_ms
+from .gpu_bench import captured_step, linear_bytes, placeholder_amax, random_tensors, replay_ms, timing_engine
 from .gpu_engine import GpuEngine
 
 # one layer's kernels in launch order (Triton kernel name, label), then the step's tail
@@ -134,8 +134,7 @@ def chain_costs(cfg: HiggsConfig, batches=(1, 64), fp8_options=(False, True), co
     only its time is read. Variants alternate, `rounds` times; the least time of each."""
     tensors = random_tensors(cfg)
     for fp8 in fp8_options:
-        engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max(batches), max_prompt=16,
-                           act_amax=placeholder_amax(cfg) if fp8 else None, graphs=False)
+        engine = timing_engine(cfg, fp8, max(batches), tensors, max_seq)
         for b in batches:
             graphs = {}
             for kinds in ((),) + LEFT_OUT_ROWS:

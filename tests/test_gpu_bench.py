@@ -124,7 +124,7 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
     monkeypatch.setattr(gpu_bench, "TUNED", tuned)
     sizes = {name: shape for name, shape in gpu_bench.shapes(HIGGS_V3).items() if name in gpu_bench.STEP_SHAPES}
 
-    def engine(cfg, fp8, batch):
+    def engine(cfg, fp8, max_batch):
         def linear(name):
             n, k, gated = sizes[name]
             return types.SimpleNamespace(n=n, k=k, up=object() if gated else None, tiles=tuned[n, k, fp8])
@@ -136,7 +136,7 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
         w = engine.layers[0].down.tiles.wide
         return 3.0 + 0.1 * (w.block_k != 128) + 0.01 * w.stages + 0.001 * w.tma
 
-    monkeypatch.setattr(gpu_bench, "_step_engine", engine)
+    monkeypatch.setattr(gpu_bench, "timing_engine", engine)
     monkeypatch.setattr(gpu_bench, "_step_ms", step_ms)
     down_key = (*sizes["down"][:2], True)
     tuned[down_key] = replace(tuned[down_key], prefill=None)  # its prefills run its wide tiles
