@@ -519,20 +519,22 @@ STEP_SHAPES = ("gate_up", "down", "o", "qkv")  # Layer attributes, in the order 
 
 
 def step_wide_candidates(base: TileConfig, k: int, gated: bool, fp8: bool) -> list[TileConfig]:
-    """Every wide tile that sums rows as `base` does (its K ranges and MMA family) and fits shared memory at 64
-    rows: block width, K block, stages, loads by TMA or by each thread, K ranges in one program or split. Today's
-    first."""
+    """Every wide tile that sums rows as `base` does (its K ranges and MMA family) and fits shared memory: block
+    width, K block, stages, loads by TMA or by each thread, K ranges in one program or split, and for a whole-K shape
+    64 or 32 x rows a product (32: twice the programs, each weight tile read by two of them; a shape of K ranges
+    then sums them in one program, which measured 0.2–1.9 ms slower a B=64 step). Today's first."""
     out = [base.wide] if base.wide is not None else []
     for block_n in (64, 128) if base.block_n >= 64 else (16, 32):
         for block_k in (128, 256) if fp8 else (64, 128):
-            stage = stage_bytes(block_n, block_k, 64, fp8, gated)
-            for stages in (2, 3, 4):
-                for tma in (False, True):
-                    for in_program_from in (64, 128) if base.split_k > 1 else (64,):
-                        tiles = TileConfig(block_n, block_k, base.split_k, 8 if block_n == 128 else 4, stages,
-                                           in_program_from, tma=tma)
-                        if stage * stages <= SHARED_MEMORY and k // base.split_k >= block_k and tiles not in out:
-                            out.append(tiles)
+            for rows in (64, 32) if base.split_k == 1 else (64,):
+                stage = stage_bytes(block_n, block_k, rows, fp8, gated)
+                for stages in (2, 3, 4):
+                    for tma in (False, True):
+                        for in_program_from in (64, 128) if base.split_k > 1 else (64,):
+                            tiles = TileConfig(block_n, block_k, base.split_k, 8 if block_n == 128 else 4, stages,
+                                               in_program_from, rows, tma=tma)
+                            if stage * stages <= SHARED_MEMORY and k // base.split_k >= block_k and tiles not in out:
+                                out.append(tiles)
     return out
 
 
@@ -541,8 +543,8 @@ def sweep_wide_in_step(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(F
     """Wide tiles chosen by the decode step's own time at `batch` rows (its CUDA graph with programmatic dependent
     launch: a GEMM's neighbours, waits and waves included), not a GEMM's alone: shape by shape, each candidate
     (step_wide_candidates) in every layer, the step captured and timed; the best three and today's again,
-    alternately, three times; the least time wins. Winners go into TUNED for the rest of this process (prefills, and
-    up to 32 rows a shape's `wide32`, keep the tiles they used)."""
+    alternately, three times; the least time wins. Winners go into TUNED for the rest of this process (prefills and
+    steps of up to 32 rows keep the tiles they used: `wide32` where the winner differs)."""
     t_end = time.perf_counter() + budget_s
     best = {}
     for fp8 in fp8_options:
@@ -577,7 +579,9 @@ def _descend(engine: GpuEngine, fp8: bool, batch: int, t_end: float, say) -> dic
             for w in finalists:
                 times[w].append(step(w))
         winner = min(finalists, key=lambda w: min(times[w]))
-        tiles = replace(today, wide=winner, prefill=today.for_rows(2048, prefill=True))
+        up_to_32 = today.for_rows(32)
+        tiles = replace(today, wide=winner, wide32=None if up_to_32 == winner else up_to_32,
+                        prefill=today.for_rows(2048, prefill=True))
         for lin in linears:
             lin.tiles = tiles
         best[(first.n, first.k, fp8)] = TUNED[(first.n, first.k, fp8)] = tiles

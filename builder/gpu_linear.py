@@ -85,8 +85,11 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
     # prefill 367.3 / 24.3 (477.2 / 29.6)
     # wide tiles of FP8 gate|up, down and o chosen by the B=64 step's time (`bench linear --tiles step`, nineteenth
-    # session); FP8 down keeps its tiles of before up to 32 rows (B=32 step 2.652 ms with the new ones, 2.589 without)
-    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 4, tma=True),
+    # session); FP8 down keeps its tiles of before up to 32 rows (B=32 step 2.652 ms with the new ones, 2.589 without).
+    # Twentieth: gate|up and q|k|v over 32 x rows a product at 33–64 rows (a B=64 step 3.400–3.413 → 3.314 ms with
+    # both; 32 rows keep theirs: gate|up's 3 stages cost the B=32 step 1.6 %)
+    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 3, rows=32, tma=True),
+                                   wide32=TileConfig(64, 128, 1, 4, 4, tma=True),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 24.0 / 224.9 at M = 48 / 2048 (whole K: 52.1 / 212.6)
     (2560, 9728, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
@@ -97,11 +100,15 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
                                    wide32=TileConfig(64, 256, 8, 4, 3, 128, tma=True),
                                    prefill=TileConfig(64, 256, 8, 4, 3, 128, tma=True)),
     # q|k|v: 11.2 / 11.1 / 12.2 at M = 1 / 8 / 64 (2026-12-01; K in 4 ranges before: 11.6 / 11.7 / 15.4); prefill
-    # 102.1 / 17.1 (142.3 / 20.5)
-    (6144, 2560, False): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 5, tma=True),
+    # 102.1 / 17.1 (142.3 / 20.5); twentieth session: 32 x rows a product at 33–64 rows (B=64 step 4.081–4.085 →
+    # 4.062–4.063 ms)
+    (6144, 2560, False): TileConfig(64, 128, 1, 4, 4, persistent=3,
+                                    wide=TileConfig(64, 128, 1, 4, 4, rows=32, tma=True),
+                                    wide32=TileConfig(64, 128, 1, 4, 5, tma=True),
                                     prefill=TileConfig(128, 64, 1, 8, 4, rows=256, tma=True)),
     # 8.5 / 8.4 / 10.7 (K in 4 ranges before: 8.5 / 8.7 / 13.4); prefill 97.1 / 12.8 (124.1 / 17.5)
-    (6144, 2560, True): TileConfig(64, 256, 1, 4, 4, wide=TileConfig(64, 256, 1, 4, 3),
+    (6144, 2560, True): TileConfig(64, 256, 1, 4, 4, wide=TileConfig(64, 256, 1, 4, 4, rows=32),
+                                   wide32=TileConfig(64, 256, 1, 4, 3),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # o: 9.0 / 13.9 (one program per unit: 9.9); prefill 12.7 / 104.3 at M = 48 / 2048 (whole K: 21.0 / 106.0)
     (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),

@@ -113,7 +113,8 @@ def test_profile_level_labels_the_loops_calls_and_puts_them_back(tiny_engine, mo
 def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
     """`bench linear --tiles step` with a stand-in engine and step timer (on the GPU: the captured B=64 step of a
     36-layer engine): every candidate sums rows as today's narrow tiles do, the winner (the least time of the
-    finalists' repeats) lands in every layer and in TUNED, and prefills keep the tiles they used."""
+    finalists' repeats) lands in every layer and in TUNED, and prefills and steps of up to 32 rows keep the tiles
+    they used."""
     from dataclasses import replace
 
     from higgs_trt.builder import gpu_bench
@@ -149,13 +150,15 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
         assert tuned[n, k, fp8] is tiles and isinstance(tiles, TileConfig)
         assert (tiles.block_n, tiles.block_k, tiles.split_k) == (old.block_n, old.block_k, old.split_k)
         assert tiles.for_rows(2048, prefill=True) == old.for_rows(2048, prefill=True)
+        assert tiles.for_rows(32) == old.for_rows(32)
     down = best[down_key]
     assert (down.wide.block_k, down.wide.stages, down.wide.tma) == (128, 2, False)
     for n, k, gated in sizes.values():
         base = before[n, k, True]
         candidates = gpu_bench.step_wide_candidates(base, k, gated, True)
         assert candidates[0] == base.wide and len(set(candidates)) == len(candidates) > 8
+        assert {w.rows for w in candidates} == ({64, 32} if base.split_k == 1 else {64})
         for wide in candidates:
             replace(base, wide=wide)  # TileConfig refuses tiles that sum rows differently
-            stage = wide.block_k * (wide.block_n * (2 if gated else 1) + 128)
+            stage = wide.block_k * (wide.block_n * (2 if gated else 1) + 2 * wide.rows)
             assert stage * wide.stages <= SHARED_MEMORY or wide == base.wide
