@@ -86,9 +86,10 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # prefill 367.3 / 24.3 (477.2 / 29.6)
     # wide tiles of FP8 gate|up, down and o chosen by the B=64 step's time (`bench linear --tiles step`, nineteenth
     # session); FP8 down keeps its tiles of before up to 32 rows (B=32 step 2.652 ms with the new ones, 2.589 without).
-    # Twentieth: gate|up and q|k|v over 32 x rows a product at 33–64 rows (a B=64 step 3.400–3.413 → 3.314 ms with
-    # both; 32 rows keep theirs: gate|up's 3 stages cost the B=32 step 1.6 %)
-    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 3, rows=32, tma=True),
+    # Twentieth: gate|up and q|k|v over 32 x rows a product at 33–64 rows (a B=64 step 3.404–3.415 → 3.307–3.309 ms
+    # with both; 32 rows keep theirs: gate|up's 3 stages cost the B=32 step 1.6 %), then the step sweep again beside
+    # them: gate|up by per-thread loads, down and o back to 256-deep K blocks (3.306–3.328 → 3.258–3.261)
+    (9728, 2560, True): TileConfig(64, 128, 1, 4, 4, persistent=3, wide=TileConfig(64, 128, 1, 4, 3, rows=32),
                                    wide32=TileConfig(64, 128, 1, 4, 4, tma=True),
                                    prefill=TileConfig(128, 128, 1, 8, 4, rows=128)),
     # down: 16.7 / 23.9 (one program per unit: 18.0); prefill 24.0 / 224.9 at M = 48 / 2048 (whole K: 52.1 / 212.6)
@@ -96,8 +97,7 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
                                     prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128, tma=True)),
     # 10.8 / 19.1; prefills keep the wide tiles of before: 186.4 / 18.9 (the best whole-K tiles 160.1 / 37.0: 20
     # programs at 64 rows)
-    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128, wide=TileConfig(64, 128, 8, 4, 4, 128, tma=True),
-                                   wide32=TileConfig(64, 256, 8, 4, 3, 128, tma=True),
+    (2560, 9728, True): TileConfig(64, 256, 8, 4, 3, 128, wide=TileConfig(64, 256, 8, 4, 3, 128, tma=True),
                                    prefill=TileConfig(64, 256, 8, 4, 3, 128, tma=True)),
     # q|k|v: 11.2 / 11.1 / 12.2 at M = 1 / 8 / 64 (2026-12-01; K in 4 ranges before: 11.6 / 11.7 / 15.4); prefill
     # 102.1 / 17.1 (142.3 / 20.5); twentieth session: 32 x rows a product at 33–64 rows (B=64 step 4.081–4.085 →
@@ -114,7 +114,8 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     (2560, 4096, False): TileConfig(64, 64, 8, 4, 4, 128, persistent=3, wide=TileConfig(64, 64, 8, 4, 3, 128),
                                     prefill=TileConfig(128, 64, 4, 8, 4, 128, rows=128, tma=True)),
     # 7.8 / 12.8; prefill 12.1 / 90.0 at M = 48 / 2048 (whole K: 17.6 / 72.1)
-    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, wide=TileConfig(32, 128, 4, 4, 3, 128),
+    (2560, 4096, True): TileConfig(32, 256, 4, 4, 4, 128, wide=TileConfig(32, 256, 4, 4, 2, 128, tma=True),
+                                   wide32=TileConfig(32, 128, 4, 4, 3, 128),
                                    prefill=TileConfig(128, 128, 4, 8, 4, 128, rows=128, tma=True)),
     # audio head: 14.9 / 16.2 (the narrow tiles at 64 rows: 20.7)
     (8208, 2560, False): TileConfig(64, 128, 2, 4, 4, 128, wide=TileConfig(64, 128, 2, 4, 4, 16, rows=32)),
