@@ -579,7 +579,7 @@ def _descend(engine: GpuEngine, fp8: bool, batch: int, t_end: float, say) -> dic
             for w in finalists:
                 times[w].append(step(w))
         winner = min(finalists, key=lambda w: min(times[w]))
-        up_to_32 = today.for_rows(32)
+        up_to_32 = replace(today.for_rows(32), wide=None, wide32=None, prefill=None)  # narrow ones, if no wide
         tiles = replace(today, wide=winner, wide32=None if up_to_32 == winner else up_to_32,
                         prefill=today.for_rows(2048, prefill=True))
         for lin in linears:
