@@ -85,7 +85,7 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
     # prefill 367.3 / 24.3 (477.2 / 29.6)
     # wide tiles of FP8 gate|up, down and o chosen by the B=64 step's time (`bench linear --tiles step`, nineteenth
-    # session); FP8 down keeps its tiles of before up to 32 rows (B=32 step 2.652 ms with the new ones, 2.589 without).
+    # session; down kept its earlier ones up to 32 rows: B=32 step 2.652 ms with the new ones, 2.589 without).
     # Twentieth: gate|up and q|k|v over 32 x rows a product at 33–64 rows (a B=64 step 3.404–3.415 → 3.307–3.309 ms
     # with both; 32 rows keep theirs: gate|up's 3 stages cost the B=32 step 1.6 %), then the step sweep again beside
     # them: gate|up by per-thread loads, down and o back to 256-deep K blocks (3.306–3.328 → 3.258–3.261)
