@@ -13,7 +13,6 @@ entry points the module links to (each returns 0 and none is called during impor
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
