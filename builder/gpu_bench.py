@@ -6,6 +6,7 @@ Random weights at the checkpoint's dimensions: timing does not depend on the val
 sets how many keys attention reads: each slot is put at `context` cached positions).
 """
 
+import itertools
 import time
 from dataclasses import dataclass, replace
 
@@ -524,17 +525,15 @@ def step_wide_candidates(base: TileConfig, k: int, gated: bool, fp8: bool) -> li
     64 or 32 x rows a product (32: twice the programs, each weight tile read by two of them; a shape of K ranges
     then sums them in one program, which measured 0.18–1.98 ms slower a B=64 step). Today's first."""
     out = [base.wide] if base.wide is not None else []
-    for block_n in (64, 128) if base.block_n >= 64 else (16, 32):
-        for block_k in (128, 256) if fp8 else (64, 128):
-            for rows in (64, 32) if base.split_k == 1 else (64,):
-                stage = stage_bytes(block_n, block_k, rows, fp8, gated)
-                for stages in (2, 3, 4):
-                    for tma in (False, True):
-                        for in_program_from in (64, 128) if base.split_k > 1 else (64,):
-                            tiles = TileConfig(block_n, block_k, base.split_k, 8 if block_n == 128 else 4, stages,
-                                               in_program_from, rows, tma=tma)
-                            if stage * stages <= SHARED_MEMORY and k // base.split_k >= block_k and tiles not in out:
-                                out.append(tiles)
+    for block_n, block_k, rows, stages, tma, in_program_from in itertools.product(
+            (64, 128) if base.block_n >= 64 else (16, 32), (128, 256) if fp8 else (64, 128),
+            (64, 32) if base.split_k == 1 else (64,), (2, 3, 4), (False, True),
+            (64, 128) if base.split_k > 1 else (64,)):
+        tiles = TileConfig(block_n, block_k, base.split_k, 8 if block_n == 128 else 4, stages, in_program_from, rows,
+                           tma=tma)
+        fits = stage_bytes(block_n, block_k, rows, fp8, gated) * stages <= SHARED_MEMORY
+        if fits and k // base.split_k >= block_k and tiles not in out:
+            out.append(tiles)
     return out
 
 
