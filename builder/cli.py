@@ -77,7 +77,8 @@ FP8_OPTIONS = {"bf16": (False,), "fp8": (True,), "both": (False, True)}  # --pre
                    "ranges: wgmma narrow and wide tiles together, K in 1 to 8 ranges; prefill: the tiles of every "
                    "prefill pass (their own K ranges and MMA); tma: today's tiles with loads by TMA against "
                    "loads by each thread (reports only; not part of all); step: the wide tiles chosen by the B=64 "
-                   "decode step's time, neighbours and waits included (36 layers; not part of all).")
+                   "decode step's time, neighbours and waits included, and when the next kernel launches (36 "
+                   "layers; not part of all).")
 def bench_linear(budget, precision, tiles):
     """The GPU engine's linear kernel at Higgs v3's weight shapes: tile shapes timed at M = 1 to 64, and 2048 for
     prefill tiles (needs a GPU). With --tiles all the budget is split between the sweeps, each starting from the

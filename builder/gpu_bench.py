@@ -541,8 +541,9 @@ def sweep_wide_in_step(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(F
                        batch: int = 64) -> dict:
     """Wide tiles chosen by the decode step's own time at `batch` rows (its CUDA graph with programmatic dependent
     launch: a GEMM's neighbours, waits and waves included), not a GEMM's alone: shape by shape, each candidate
-    (step_wide_candidates) in every layer, the step captured and timed; the best three and today's again,
-    alternately, three times; the least time wins. Winners go into TUNED for the rest of this process (prefills and
+    (step_wide_candidates) in every layer, the step captured and timed; the best three, the best with the next
+    kernel launched at its other end (TileConfig.late_launch) and today's again, alternately, three times; the least
+    time wins. Winners go into TUNED for the rest of this process (prefills and
     steps of up to 32 rows keep the tiles they used: `wide32` where the winner differs)."""
     t_end = time.perf_counter() + budget_s
     best = {}
@@ -572,7 +573,11 @@ def _descend(engine: GpuEngine, fp8: bool, batch: int, t_end: float, say) -> dic
                 timed.append((step(wide), wide))
             except Exception as e:  # shared memory, registers
                 say(f"    {wide}: {type(e).__name__}")
-        finalists = [today.wide] + [w for _, w in sorted(timed, key=lambda r: r[0])[:3] if w != today.wide]
+        ranked = [w for _, w in sorted(timed, key=lambda r: r[0])]
+        finalists = [today.wide] + [w for w in ranked[:3] if w != today.wide]
+        if ranked:  # the fastest with the next kernel launched at its other end (numbers alike: launch order only)
+            flipped = replace(ranked[0], late_launch=not ranked[0].late_launch)
+            finalists += [flipped] if flipped not in finalists else []
         times = {w: [] for w in finalists}
         for _ in range(3):
             for w in finalists:

@@ -25,7 +25,7 @@ linear: y = x Wᵀ for W [N, K] (the checkpoint's layout, read once per step: de
 import triton
 import triton.language as tl
 
-from higgs_trt.plugins.kernels import await_inputs, mma, quantize
+from higgs_trt.plugins.kernels import await_inputs, launch_next, mma, quantize
 
 
 @triton.jit
@@ -105,7 +105,8 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
            ROWS: tl.constexpr, FP8: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
            OUT_F32: tl.constexpr, SPLITS_IN_PROGRAM: tl.constexpr = False, PDL: tl.constexpr = False,
            FP8_SPAN: tl.constexpr = 0, X_FP8: tl.constexpr = False, OUT_FP8: tl.constexpr = False,
-           PERSISTENT: tl.constexpr = False, x_desc=None, w_desc=None, w_up_desc=None, TMA: tl.constexpr = False):
+           PERSISTENT: tl.constexpr = False, x_desc=None, w_desc=None, w_up_desc=None, TMA: tl.constexpr = False,
+           LATE_LAUNCH: tl.constexpr = False):
     """Grid (programs over M, N / BLOCK_N, SPLIT_K or 1). Each product is W·xᵀ for a weight tile [BLOCK_N, BLOCK_K]
     and ROWS rows of x (16 to 64 in a decode step, up to 256 in a prefill): the weight rows sit on the MMA's M side,
     so BLOCK_N ≥ 64 uses Hopper's wgmma, and the batch rows on its N side, where each output element is the same
@@ -125,8 +126,11 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
     units, sums and reduction as split programs: the same numbers. FP8_SPAN: see plugins/kernels.mma.
 
     TMA: x, W (and W_up) tiles come by Hopper's bulk tensor copies through the descriptors x_desc ([M, K], blocks
-    [ROWS, BLOCK_K]) and w_desc, w_up_desc ([N, K], blocks [BLOCK_N, BLOCK_K]): the same tiles, the same sums."""
-    await_inputs(PDL)
+    [ROWS, BLOCK_K]) and w_desc, w_up_desc ([N, K], blocks [BLOCK_N, BLOCK_K]): the same tiles, the same sums.
+
+    LATE_LAUNCH (PDL): the next kernel's programs launch as this one's finish, not as they start: early ones would
+    hold shared memory that this kernel's later programs wait for (TileConfig.late_launch)."""
+    await_inputs(PDL, LAUNCH_NEXT=not LATE_LAUNCH)
     K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # a range's columns
     if PERSISTENT:
         r = tl.arange(0, ROWS)
@@ -143,6 +147,8 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
         _tiles(x, w, w_up, x_desc, w_desc, w_up_desc, w_scale, w_up_scale, out, res, partials, tickets, M, x_scale,
                out_scale, N, K, K_SPLIT, BLOCK_N, BLOCK_K, SPLIT_K, ROWS, FP8, GATED, RESIDUAL, OUT_F32,
                SPLITS_IN_PROGRAM, FP8_SPAN, X_FP8, OUT_FP8, TMA)
+    if LATE_LAUNCH:
+        launch_next(PDL)
 
 
 @triton.jit

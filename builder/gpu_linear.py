@@ -33,6 +33,9 @@ class TileConfig:
     wide32: "TileConfig | None" = None  # the tiles for 17 to 32 rows, where they differ from the wide ones
     prefill: "TileConfig | None" = None  # the tiles of every prefill pass, whatever its rows
     tma: bool = False  # tiles by bulk tensor copies (Hopper's TMA) instead of per-thread loads: the same sums
+    # under PDL, the next kernel's programs launch as these tiles' programs finish instead of as they start (for a
+    # GEMM of several waves, whose later programs need the shared memory early ones of the next kernel would hold)
+    late_launch: bool = False
 
     def __post_init__(self):
         # A row's numbers depend on the K ranges and on the MMA instruction (16 or 32 weight rows: mma.sync; 64 or
@@ -80,7 +83,10 @@ def default_tiles(n: int, k: int, fp8: bool, device: str = "cuda") -> TileConfig
 TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # gate|up: 27.9 / 28.2 / 30.9 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before, 32 weight rows, persistent,
     # wide ones: 30.6 / 31.1 / 38.4); prefill 361 / 31.5 (576.7 / 39.9)
-    (9728, 2560, False): TileConfig(64, 64, 1, 4, 4, wide=TileConfig(64, 64, 1, 4, 4, tma=True),
+    # Twenty-first session: from 17 rows down's programs launch as these finish (late_launch; captured steps side by
+    # side: B=64 3.976–3.980 → 3.870–3.872 ms, B=32 3.258–3.261 → 3.214–3.217; elsewhere it was no faster: FP8 at
+    # every bucket, the other shapes, the narrow tiles — q|k|v's gained 1.3–1.8 % at B=8 but lost 2.3–3.4 % at B=1)
+    (9728, 2560, False): TileConfig(64, 64, 1, 4, 4, wide=TileConfig(64, 64, 1, 4, 4, tma=True, late_launch=True),
                                     prefill=TileConfig(128, 64, 1, 8, 4, rows=128, tma=True)),
     # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
     # prefill 367.3 / 24.3 (477.2 / 29.6)
@@ -178,7 +184,7 @@ class Linear:
             FP8=self.fp8, GATED=self.up is not None, RESIDUAL=residual, OUT_F32=out.dtype == torch.float32,
             SPLITS_IN_PROGRAM=in_program, PDL=workspace.pdl, FP8_SPAN=FP8_SPAN if self.fp8 else 0,
             X_FP8=x.dtype == FP8_CODES, OUT_FP8=out.dtype == FP8_CODES, PERSISTENT=persistent,
-            launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages, **descriptors)
+            LATE_LAUNCH=t.late_launch, launch_pdl=workspace.pdl, num_warps=t.warps, num_stages=stages, **descriptors)
 
     def _descriptor(self, name: str, t: TileConfig) -> TensorDescriptor:
         key = name, t.block_n, t.block_k

@@ -51,12 +51,21 @@ def mma(a, b, acc, FP8_SPAN: tl.constexpr = 0):
 
 
 @triton.jit
-def await_inputs(PDL: tl.constexpr):
+def await_inputs(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     """GPU path under programmatic dependent launch (Hopper on): this kernel may start while the previous one still
     runs, so wait for its writes here, first; then let the next kernel launch its programs early (they wait in
-    turn). Every kernel launched that way must call this before it reads anything another kernel wrote."""
+    turn) unless not LAUNCH_NEXT (the kernel calls launch_next at its end). Every kernel launched that way must call
+    this before it reads anything another kernel wrote."""
     if PDL:
         gdc_wait()
+        if LAUNCH_NEXT:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next(PDL: tl.constexpr):
+    """Let the next kernel launch its programs now (for a kernel that waited with LAUNCH_NEXT=False)."""
+    if PDL:
         gdc_launch_dependents()
 
 

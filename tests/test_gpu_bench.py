@@ -132,10 +132,10 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
         return types.SimpleNamespace(layers=[types.SimpleNamespace(**{name: linear(name) for name in sizes})
                                              for _ in range(3)])
 
-    def step_ms(engine, batch):  # favours 128-deep K blocks, then fewer stages, for down; every layer must agree
-        assert len({layer.down.tiles for layer in engine.layers}) == 1
+    def step_ms(engine, batch):  # favours 128-deep K blocks, fewer stages, then a late launch of the next kernel
+        assert len({layer.down.tiles for layer in engine.layers}) == 1  # every layer must agree
         w = engine.layers[0].down.tiles.wide
-        return 3.0 + 0.1 * (w.block_k != 128) + 0.01 * w.stages + 0.001 * w.tma
+        return 3.0 + 0.1 * (w.block_k != 128) + 0.01 * w.stages + 0.001 * w.tma - 0.0005 * w.late_launch
 
     monkeypatch.setattr(gpu_bench, "timing_engine", engine)
     monkeypatch.setattr(gpu_bench, "_step_ms", step_ms)
@@ -158,7 +158,7 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
         assert tiles.for_rows(2048, prefill=True) == old.for_rows(2048, prefill=True)
         assert own(tiles.for_rows(32)) == own(old.for_rows(32))
     down = best[down_key]
-    assert (down.wide.block_k, down.wide.stages, down.wide.tma) == (128, 2, False)
+    assert (down.wide.block_k, down.wide.stages, down.wide.tma, down.wide.late_launch) == (128, 2, False, True)
     for n, k, gated in sizes.values():
         base = before[n, k, True]
         candidates = gpu_bench.step_wide_candidates(base, k, gated, True)

@@ -41,7 +41,9 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
     w = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
     up = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02 if gated else None
     lin = Linear(w, up, act_amax=6.0 if fp8 else None)
-    ws = Workspace(n, 64, 1, 1, 16, 16, "cuda")
+    # launched as the engine launches them on this GPU: with programmatic dependent launch from Hopper on (the
+    # waits, and the next kernel's launch at a tile's start or end: TileConfig.late_launch)
+    ws = Workspace(n, 64, 1, 1, 16, 16, "cuda", pdl=torch.cuda.get_device_capability() >= (9, 0))
     x = torch.randn(200, k, device="cuda", generator=g).bfloat16()
     ref, gate, up_sum = exact_linear(x, lin)
     rounding = 5 * 2 ** -8 if gated else 2 ** -7  # half an ulp per bf16 rounding: one, or five when gated
