@@ -543,8 +543,8 @@ def sweep_wide_in_step(cfg: HiggsConfig, budget_s: float = 240.0, fp8_options=(F
     launch: a GEMM's neighbours, waits and waves included), not a GEMM's alone: shape by shape, each candidate
     (step_wide_candidates) in every layer, the step captured and timed; the best three, the best with the next
     kernel launched at its other end (TileConfig.late_launch) and today's again, alternately, three times; the least
-    time wins. Winners go into TUNED for the rest of this process (prefills and
-    steps of up to 32 rows keep the tiles they used: `wide32` where the winner differs)."""
+    time wins. Winners go into TUNED for the rest of this process (prefills and steps of up to 32 rows keep the
+    tiles they used: `wide32` where the winner differs)."""
     t_end = time.perf_counter() + budget_s
     best = {}
     for fp8 in fp8_options:

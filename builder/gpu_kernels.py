@@ -128,8 +128,8 @@ def linear(x, w, w_up, w_scale, w_up_scale, out, res, partials, tickets,
     TMA: x, W (and W_up) tiles come by Hopper's bulk tensor copies through the descriptors x_desc ([M, K], blocks
     [ROWS, BLOCK_K]) and w_desc, w_up_desc ([N, K], blocks [BLOCK_N, BLOCK_K]): the same tiles, the same sums.
 
-    LATE_LAUNCH (PDL): the next kernel's programs launch as this one's finish, not as they start: early ones would
-    hold shared memory that this kernel's later programs wait for (TileConfig.late_launch)."""
+    LATE_LAUNCH (PDL): the next kernel's programs launch as this one's finish, not as soon as all of its programs
+    have started (TileConfig.late_launch): launch order only, the same numbers."""
     await_inputs(PDL, LAUNCH_NEXT=not LATE_LAUNCH)
     K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # a range's columns
     if PERSISTENT:

@@ -33,8 +33,8 @@ class TileConfig:
     wide32: "TileConfig | None" = None  # the tiles for 17 to 32 rows, where they differ from the wide ones
     prefill: "TileConfig | None" = None  # the tiles of every prefill pass, whatever its rows
     tma: bool = False  # tiles by bulk tensor copies (Hopper's TMA) instead of per-thread loads: the same sums
-    # under PDL, the next kernel's programs launch as these tiles' programs finish instead of as they start (for a
-    # GEMM of several waves, whose later programs need the shared memory early ones of the next kernel would hold)
+    # under PDL, the next kernel's programs launch as these tiles' programs finish instead of as soon as all of them
+    # have started: the same sums; where it is faster is measured (TUNED), why there is not established
     late_launch: bool = False
 
     def __post_init__(self):
@@ -85,7 +85,7 @@ TUNED: dict[tuple[int, int, bool], TileConfig] = {
     # wide ones: 30.6 / 31.1 / 38.4); prefill 361 / 31.5 (576.7 / 39.9)
     # Twenty-first session: from 17 rows down's programs launch as these finish (late_launch; captured steps side by
     # side: B=64 3.976–3.980 → 3.870–3.872 ms, B=32 3.258–3.261 → 3.214–3.217; elsewhere it was no faster: FP8 at
-    # every bucket, the other shapes, the narrow tiles — q|k|v's gained 1.3–1.8 % at B=8 but lost 2.3–3.4 % at B=1)
+    # every bucket, the other shapes, the narrow tiles — q|k|v's gained 1.3–1.6 % at B=8 but lost 2.3–3.4 % at B=1)
     (9728, 2560, False): TileConfig(64, 64, 1, 4, 4, wide=TileConfig(64, 64, 1, 4, 4, tma=True, late_launch=True),
                                     prefill=TileConfig(128, 64, 1, 8, 4, rows=128, tma=True)),
     # FP8 gate|up: 17.0 / 16.9 / 23.6 at M = 1 / 8 / 64 (2026-12-01; the mma.sync tiles before: 18.2 / 19.8 / 33.3);
