@@ -314,3 +314,88 @@ def snake(x, alpha, bias, out, batch_stride, n, C, inner, HAS_BIAS: tl.constexpr
         v += tl.load(bias + c).to(tl.float32)
     s = tl.sin(a * v)  # libdevice sinf, not an approximation (checked in the PTX)
     tl.store(out + b * n + i, v + (1.0 / (a + 1e-9)) * (s * s), mask=inside)
+
+
+@triton.jit
+def mlp(x, w_gate, w_up, gate_scale, up_scale, w_down, down_scale, act, h, partials, tickets, sync,
+        M, x_scale, act_scale,
+        H: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, FP8_SPAN: tl.constexpr,
+        GU_N: tl.constexpr, GU_K: tl.constexpr, GU_STAGES: tl.constexpr,
+        DN_N: tl.constexpr, DN_K: tl.constexpr, DN_SPLIT: tl.constexpr, DN_STAGES: tl.constexpr,
+        PRELOAD: tl.constexpr, PDL: tl.constexpr = False):
+    """A decode step's MLP in one launch for M ≤ ROWS rows: act = silu(x Gᵀ)·(x Uᵀ), then h += act Dᵀ, each tile
+    with the tiles (K ranges, MMA) of the two linears' own launches, so the numbers are theirs bit for bit.
+
+    Two launches leave the memory idle between them: down waits for every gate|up program to finish, then starts its
+    loads. Here the work is one list of units, the gate|up tiles first, then down's (weight tile, K range) units,
+    range by range; each program claims the next unit from a counter (sync[0]) until none is left. A down unit of
+    range s needs only the act columns of s: it waits until the gate|up tiles covering them have counted themselves
+    into sync[2 + s] (with PRELOAD, the first block of its weights loaded before it waits). Units are claimed in list
+    order by running programs, so whatever waits, every unit it waits for is already held by a program that needs
+    nothing more: no deadlock, with any number of programs resident. The last program to leave resets the counters.
+    X_FP8 as the engine runs it: FP8 x and act are codes (x at the gate's scale, act at down's)."""
+    await_inputs(PDL)
+    r = tl.arange(0, ROWS)
+    GU_TILES: tl.constexpr = (N + GU_N - 1) // GU_N
+    DN_TILES: tl.constexpr = (H + DN_N - 1) // DN_N
+    K_SPLIT: tl.constexpr = ((N + DN_SPLIT - 1) // DN_SPLIT + DN_K - 1) // DN_K * DN_K  # down's K range, as linear's
+    units = GU_TILES + DN_TILES * DN_SPLIT
+    unit = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
+    while unit < units:
+        if unit < GU_TILES:
+            n = unit * GU_N + tl.arange(0, GU_N)
+            w_rows = tl.where(n < N, n, 0)
+            g = tl.zeros([GU_N, ROWS], tl.float32)
+            u = tl.zeros([GU_N, ROWS], tl.float32)
+            for k0 in tl.range(0, H, GU_K, num_stages=GU_STAGES):
+                xt = tl.trans(_x_tile(x, None, 0, r, k0, M, H, GU_K, FP8, FP8, x_scale, False))
+                g = mma(_w_tile(w_gate, None, unit * GU_N, w_rows, k0, H, GU_K, False), xt, g, FP8_SPAN)
+                u = mma(_w_tile(w_up, None, unit * GU_N, w_rows, k0, H, GU_K, False), xt, u, FP8_SPAN)
+            _epilogue(tl.trans(g), tl.trans(u), r, n, M, act, act, gate_scale, up_scale, x_scale, act_scale, N, FP8,
+                      True, False, False, FP8)
+            tl.debug_barrier()  # every thread's act columns are written before the ranges are told (release)
+            first = unit * GU_N // K_SPLIT
+            last = tl.minimum((unit * GU_N + GU_N - 1) // K_SPLIT, DN_SPLIT - 1)
+            for s in range(first, last + 1):
+                tl.atomic_add(sync + 2 + s, 1, sem="release", scope="gpu")
+        else:
+            s = (unit - GU_TILES) // DN_TILES
+            pid_n = (unit - GU_TILES) % DN_TILES
+            n = pid_n * DN_N + tl.arange(0, DN_N)
+            w_rows = tl.where(n < H, n, 0)
+            k_start = s * K_SPLIT
+            k_end = tl.minimum(k_start + K_SPLIT, N)
+            if PRELOAD:
+                w_first = _w_tile(w_down, None, pid_n * DN_N, w_rows, k_start, N, DN_K, False)
+            need = (k_end + GU_N - 1) // GU_N - k_start // GU_N  # the gate|up tiles over columns [k_start, k_end)
+            while tl.atomic_add(sync + 2 + s, 0, sem="acquire", scope="gpu") < need:
+                pass
+            tl.debug_barrier()
+            acc = tl.zeros([DN_N, ROWS], tl.float32)
+            k_first = k_start
+            if PRELOAD:
+                acc = mma(w_first, tl.trans(_act_tile(act, r, k_start, M, N, DN_K)), acc, FP8_SPAN)
+                k_first += DN_K
+            for k0 in tl.range(k_first, k_end, DN_K, num_stages=DN_STAGES):
+                acc = mma(_w_tile(w_down, None, pid_n * DN_N, w_rows, k0, N, DN_K, False),
+                          tl.trans(_act_tile(act, r, k0, M, N, DN_K)), acc, FP8_SPAN)
+            y = tl.trans(acc)
+            _store_unit(y, y, pid_n, s, n, 0, r, M, h, h, partials, tickets, down_scale, down_scale, act_scale, 1.0,
+                        H, DN_SPLIT, ROWS, FP8, False, True, False, False)
+        unit = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    if tl.atomic_add(sync + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:  # the last to leave
+        tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync + 1, 0, sem="relaxed", scope="gpu")
+        for s in range(DN_SPLIT):
+            tl.atomic_xchg(sync + 2 + s, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _act_tile(act, r, k0, M, N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows r of act [M, N] at columns k0.. k0 + BLOCK_K from L2 (.cg: written by other programs of this launch,
+    which this SM's L1 does not see)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(act + r[:, None] * N + k[None, :], mask=(r[:, None] < M) & (k[None, :] < N), other=0.0,
+                   cache_modifier=".cg")
+
