@@ -63,6 +63,12 @@ def shapes(cfg: HiggsConfig) -> dict:
 SMS = 132  # H200 multiprocessors
 
 
+def resident(stage: int, stages: int) -> int:
+    """Programs of `stages` pipeline stages of `stage` bytes one multiprocessor holds by shared memory (220 KiB of
+    the H200's 228 usable), at most 4."""
+    return min(4, (220 * 1024) // (stage * stages))
+
+
 def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[TileConfig]:
     """Tile shapes worth timing, ranked by a model of the weight read: the programs should fill every SM in whole
     waves (the last, partial wave is idle bandwidth), with enough of them resident per SM to keep loads in flight.
@@ -76,12 +82,12 @@ def candidates(n: int, k: int, gated: bool, fp8: bool, limit: int = 10) -> list[
             for block_k in (128, 256, 512) if fp8 else (64, 128, 256):
                 for stages in (2, 3, 4):
                     stage = stage_bytes(block_n, block_k, 16, fp8, gated)
-                    resident = min(4, (220 * 1024) // (stage * stages))
-                    if resident < 1:
+                    per_sm = resident(stage, stages)
+                    if per_sm < 1:
                         continue
-                    waves = programs / (SMS * resident)
+                    waves = programs / (SMS * per_sm)
                     fill = waves / -(-waves // 1)
-                    out.append((fill * min(1.0, resident * stages * stage / 96e3),
+                    out.append((fill * min(1.0, per_sm * stages * stage / 96e3),
                                 TileConfig(block_n, block_k, split, 8 if block_n > 64 else 4, stages)))
     out.sort(key=lambda r: r[0], reverse=True)
     tuned = [replace(TUNED[n, k, fp8], wide=None)] if (n, k, fp8) in TUNED else []
@@ -162,11 +168,11 @@ def wide_candidates(base: TileConfig, n: int, k: int, gated: bool, fp8: bool, li
                     weights = stage_bytes(block_n, block_k, 0, fp8, gated)
                     stage = stage_bytes(block_n, block_k, rows, fp8, gated)
                     for stages in (2, 3, 4):
-                        resident = min(4, (220 * 1024) // (stage * stages))
-                        if resident < 1 or k // split < block_k:
+                        per_sm = resident(stage, stages)
+                        if per_sm < 1 or k // split < block_k:
                             continue
                         fill = min(1.0, programs / (2 * SMS))
-                        in_flight = min(1.0, resident * (stages - 1) * weights / 64e3)
+                        in_flight = min(1.0, per_sm * (stages - 1) * weights / 64e3)
                         score = fill * in_flight / (1 + 0.1 * (64 // rows - 1))  # each program re-reads its weights
                         warps = 8 if block_n * rows >= 128 * 32 else 4
                         out.append((score, TileConfig(block_n, block_k, base.split_k, warps, stages, in_program_from,

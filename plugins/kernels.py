@@ -58,8 +58,8 @@ def await_inputs(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     this before it reads anything another kernel wrote."""
     if PDL:
         gdc_wait()
-        if LAUNCH_NEXT:
-            gdc_launch_dependents()
+    if LAUNCH_NEXT:
+        launch_next(PDL)
 
 
 @triton.jit
