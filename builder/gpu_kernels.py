@@ -314,3 +314,100 @@ def snake(x, alpha, bias, out, batch_stride, n, C, inner, HAS_BIAS: tl.constexpr
         v += tl.load(bias + c).to(tl.float32)
     s = tl.sin(a * v)  # libdevice sinf, not an approximation (checked in the PTX)
     tl.store(out + b * n + i, v + (1.0 / (a + 1e-9)) * (s * s), mask=inside)
+
+
+@triton.jit
+def mlp(x, w_gate, w_up, gate_scale, up_scale, w_down, down_scale, act, h, partials, tickets, claims, ready,
+        M, x_scale, act_scale,
+        H: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, FP8_SPAN: tl.constexpr,
+        GU_N: tl.constexpr, GU_K: tl.constexpr, GU_STAGES: tl.constexpr,
+        DN_N: tl.constexpr, DN_K: tl.constexpr, DN_SPLIT: tl.constexpr, DN_STAGES: tl.constexpr,
+        GU_THEN_DOWN: tl.constexpr, PDL: tl.constexpr = False, GU_PRELOAD: tl.constexpr = False):
+    """A decode step's MLP in one launch for M ≤ ROWS rows: act = silu(x Gᵀ)·(x Uᵀ), then h += act Dᵀ, each tile
+    with the tiles (K ranges, MMA) of the two linears' own launches, so the numbers are theirs bit for bit.
+
+    Program i < ⌈N / GU_N⌉ computes gate|up tile i, then counts itself into ready[s] of each K range s of down that
+    its columns fall in. Down's (weight tile, K range) units, range by range, are claimed from a counter: by the
+    programs past the gate|up ones, and with GU_THEN_DOWN by the gate|up ones too once their tile is done. A unit
+    loads the first block of its weights, waits until the gate|up tiles over its columns have counted themselves,
+    then sums. Every program's unit that others wait for is its first, so the grid must fit the GPU at once (the
+    caller's rule); the claims of running programs never wait on one another's (a claimed unit waits only for
+    gate|up tiles).
+
+    The counters are never reset: each launch adds the same numbers (one claim per down unit and one per program
+    that finds none left; need_s per range), so launch e's claims are [e·C, (e+1)·C) with C = units + claimers and
+    its ranges are ready at (e+1)·need_s. int64: no wrap in any server's life. Every launch sharing the counters
+    must have the same grid. X_FP8 as the engine runs it: FP8 x and act are codes (x at the gate's, act at down's
+    scale)."""
+    r = tl.arange(0, ROWS)
+    GU_TILES: tl.constexpr = (N + GU_N - 1) // GU_N
+    DN_TILES: tl.constexpr = (H + DN_N - 1) // DN_N
+    DN_UNITS: tl.constexpr = DN_TILES * DN_SPLIT
+    K_SPLIT: tl.constexpr = ((N + DN_SPLIT - 1) // DN_SPLIT + DN_K - 1) // DN_K * DN_K  # down's K range, as linear's
+    pid = tl.program_id(0)
+    if GU_THEN_DOWN:
+        per_launch = DN_UNITS + tl.num_programs(0)
+    else:
+        per_launch = DN_UNITS + tl.num_programs(0) - GU_TILES
+    if pid < GU_TILES:
+        n = pid * GU_N + tl.arange(0, GU_N)
+        w_rows = tl.where(n < N, n, 0)
+        if GU_PRELOAD:  # weights: no kernel writes them, so before the wait for the previous kernel
+            g_first = _w_tile(w_gate, None, pid * GU_N, w_rows, 0, H, GU_K, False)
+            u_first = _w_tile(w_up, None, pid * GU_N, w_rows, 0, H, GU_K, False)
+        await_inputs(PDL)
+        g = tl.zeros([GU_N, ROWS], tl.float32)
+        u = tl.zeros([GU_N, ROWS], tl.float32)
+        k_first = 0
+        if GU_PRELOAD:
+            xt = tl.trans(_x_tile(x, None, 0, r, 0, M, H, GU_K, FP8, FP8, x_scale, False))
+            g = mma(g_first, xt, g, FP8_SPAN)
+            u = mma(u_first, xt, u, FP8_SPAN)
+            k_first = GU_K
+        for k0 in tl.range(k_first, H, GU_K, num_stages=GU_STAGES):
+            xt = tl.trans(_x_tile(x, None, 0, r, k0, M, H, GU_K, FP8, FP8, x_scale, False))
+            g = mma(_w_tile(w_gate, None, pid * GU_N, w_rows, k0, H, GU_K, False), xt, g, FP8_SPAN)
+            u = mma(_w_tile(w_up, None, pid * GU_N, w_rows, k0, H, GU_K, False), xt, u, FP8_SPAN)
+        _epilogue(tl.trans(g), tl.trans(u), r, n, M, act, act, gate_scale, up_scale, x_scale, act_scale, N, FP8,
+                  True, False, False, FP8)
+        tl.debug_barrier()  # every thread's act columns are written before the ranges are told (release)
+        for s in range(pid * GU_N // K_SPLIT, tl.minimum((pid * GU_N + GU_N - 1) // K_SPLIT, DN_SPLIT - 1) + 1):
+            tl.atomic_add(ready + s, 1, sem="release", scope="gpu")
+    else:
+        await_inputs(PDL)
+    if GU_THEN_DOWN or pid >= GU_TILES:
+        claim = tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
+        epoch = claim // per_launch
+        unit = claim - epoch * per_launch
+        while unit < DN_UNITS:
+            s = unit // DN_TILES
+            pid_n = unit % DN_TILES
+            n = pid_n * DN_N + tl.arange(0, DN_N)
+            w_rows = tl.where(n < H, n, 0)
+            k_start = s * K_SPLIT
+            k_end = tl.minimum(k_start + K_SPLIT, N)
+            w_first = _w_tile(w_down, None, pid_n * DN_N, w_rows, k_start, N, DN_K, False)
+            need = (k_end + GU_N - 1) // GU_N - k_start // GU_N  # the gate|up tiles over columns [k_start, k_end)
+            while tl.load(ready + s, volatile=True) < (epoch + 1) * need:
+                pass
+            tl.atomic_add(ready + s, 0, sem="acquire", scope="gpu")  # what the counted tiles wrote is seen
+            tl.debug_barrier()
+            acc = mma(w_first, tl.trans(_act_tile(act, r, k_start, M, N, DN_K)), tl.zeros([DN_N, ROWS], tl.float32),
+                      FP8_SPAN)
+            for k0 in tl.range(k_start + DN_K, k_end, DN_K, num_stages=DN_STAGES):
+                acc = mma(_w_tile(w_down, None, pid_n * DN_N, w_rows, k0, N, DN_K, False),
+                          tl.trans(_act_tile(act, r, k0, M, N, DN_K)), acc, FP8_SPAN)
+            y = tl.trans(acc)
+            _store_unit(y, y, pid_n, s, n, 0, r, M, h, h, partials, tickets, down_scale, down_scale, act_scale, 1.0,
+                        H, DN_SPLIT, ROWS, FP8, False, True, False, False)
+            unit = tl.atomic_add(claims, 1, sem="relaxed", scope="gpu") - epoch * per_launch
+
+
+@triton.jit
+def _act_tile(act, r, k0, M, N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows r of act [M, N] at columns k0.. k0 + BLOCK_K from L2 (.cg: written by other programs of this launch,
+    which this SM's L1 does not see)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(act + r[:, None] * N + k[None, :], mask=(r[:, None] < M) & (k[None, :] < N), other=0.0,
+                   cache_modifier=".cg")
+
