@@ -45,7 +45,7 @@ from higgs_trt.runtime.stepper import Decoded
 from higgs_trt.runtime.streaming import StreamPlan
 
 from . import gpu_kernels
-from .gpu_linear import FP8_CODES, Linear, mlp
+from .gpu_linear import FP8_CODES, Linear
 from .config import HiggsConfig
 from .model import AUDIO_TABLE, TEXT_EMBEDDING, rope_table
 
@@ -134,9 +134,6 @@ def prefill_passes(lengths: list[int], pass_rows: int, captured: dict[int, int])
     return passes + [count] if count else passes
 
 
-MLP_ONE_LAUNCH_ROWS = 16
-
-
 class Workspace:
     """Scratch shared by every launch of a step (they run one after another on one stream), and how they launch:
     with programmatic dependent launch (`pdl`) each kernel starts while the previous one drains and waits for its
@@ -150,7 +147,6 @@ class Workspace:
         chunks = -(-max_seq // ATTENTION_CHUNK)
         self.partials = torch.empty(2 * 8 * 64 * max_n, dtype=torch.float32, device=device)  # gated: two sets
         self.tickets = torch.zeros(max_n, dtype=torch.int32, device=device)
-        self.mlp_counters: dict = {}  # gpu_kernels.mlp's, per grid
         self.attn_partials = torch.empty(max_batch, heads, chunks, head_dim, dtype=torch.float32, device=device)
         self.attn_stats = torch.empty(max_batch, heads, chunks, 2, dtype=torch.float32, device=device)
         self.attn_tickets = torch.zeros(max_batch * kv_heads, dtype=torch.int32, device=device)
@@ -237,8 +233,6 @@ class GpuEngine:
         if pdl is None:  # Hopper on (griddepcontrol); launched without it, the kernels' waits are no-ops
             pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
         self.workspace = Workspace(n_max, max_batch, hq, hkv, d, max_seq, dev, pdl)
-        self.mlp_programs = 0  # one-launch MLP for steps of up to 16 rows (gpu_linear.mlp): off, slower (history)
-        self.mlp_knobs: dict = {}
 
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.codec_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # beside the decode steps
@@ -306,11 +300,8 @@ class GpuEngine:
                 num_warps=ATTENTION_WARPS, PREFETCH=self.pdl and n <= ATTENTION_PREFETCH_ROWS, **tma, **self._launch())
             layer.o(attn, h, n, ws, residual=True)
             x = self._norm(h, layer.post_norm, n, layer.gate_up)
-            if self.mlp_programs and n <= MLP_ONE_LAUNCH_ROWS:
-                mlp(layer.gate_up, layer.down, x, self.act, h, n, ws, self.mlp_programs, **self.mlp_knobs)
-            else:
-                layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)
-                layer.down(self.act, h, n, ws, residual=True)
+            layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)
+            layer.down(self.act, h, n, ws, residual=True)
         x = self._norm(h, self.final_norm, n)
         self.head(x, self.logits, n, ws)
         self._choose(n, self.logits, self.h, self.codes)

@@ -191,35 +191,3 @@ class Linear:
         if key not in self._descriptors:
             self._descriptors[key] = TensorDescriptor.from_tensor(getattr(self, name), [t.block_n, t.block_k])
         return self._descriptors[key]
-
-
-
-def mlp(gate_up: Linear, down: Linear, x: torch.Tensor, act: torch.Tensor, h: torch.Tensor, m: int, workspace,
-        programs: int, gu_then_down: bool = True, gu_preload: bool = False):
-    """gate_up then down (residual into h) for a decode step of m ≤ 16 rows in one launch (gpu_kernels.mlp): the
-    same tiles and numbers as the two linears' launches. `programs` (at least one per gate|up tile, and all of them
-    resident at once) share the down units."""
-    gu, dn = gate_up.tiles.for_rows(m), down.tiles.for_rows(m)
-    rows = 16
-    if m > rows or dn.split_k == 1 or rows >= dn.in_program_from or gu.split_k != 1 or gu.warps != dn.warps:
-        raise ValueError(f"no one-launch MLP for {m} rows with tiles {gu} and {dn}")
-    k_split = -(-(-(-down.k // dn.split_k)) // dn.block_k) * dn.block_k
-    if (dn.split_k - 1) * k_split >= down.k:
-        raise ValueError(f"down's last K range is empty with tiles {dn}")
-    gu_tiles = -(-gate_up.n // gu.block_n)
-    if programs < gu_tiles + (0 if gu_then_down else 1):
-        raise ValueError(f"{programs} programs for {gu_tiles} gate|up tiles")
-    counters = workspace.mlp_counters.get((programs, gu_then_down))
-    if counters is None:
-        counters = workspace.mlp_counters[programs, gu_then_down] = torch.zeros(16, dtype=torch.int64,
-                                                                                device=x.device)
-    gu_stages = max(2, min(gu.stages, SHARED_MEMORY // stage_bytes(gu.block_n, gu.block_k, rows, gate_up.fp8, True)))
-    dn_stages = max(2, min(dn.stages, SHARED_MEMORY // stage_bytes(dn.block_n, dn.block_k, rows, down.fp8, False)))
-    return gpu_kernels.mlp[(programs,)](
-        x, gate_up.weight, gate_up.up, gate_up.scale if gate_up.fp8 else x, gate_up.up_scale if gate_up.fp8 else x,
-        down.weight, down.scale if down.fp8 else x, act, h, workspace.partials, workspace.tickets, counters,
-        counters[8:], m, gate_up.x_scale, down.x_scale, H=down.n, N=down.k, ROWS=rows, FP8=gate_up.fp8,
-        FP8_SPAN=FP8_SPAN if gate_up.fp8 else 0, GU_N=gu.block_n, GU_K=gu.block_k, GU_STAGES=gu_stages,
-        DN_N=dn.block_n, DN_K=dn.block_k, DN_SPLIT=dn.split_k, DN_STAGES=dn_stages, GU_THEN_DOWN=gu_then_down,
-        GU_PRELOAD=gu_preload, PDL=workspace.pdl, launch_pdl=workspace.pdl, num_warps=gu.warps,
-        num_stages=max(gu_stages, dn_stages))

@@ -74,42 +74,6 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
     assert not ws.tickets.any()
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_mlp_in_one_launch_equals_the_two_launches_at_higgs_dimensions(fp8):
-    """gpu_kernels.mlp with its programs running at once (down's units waiting on the gate|up tiles of their columns,
-    under PDL as the engine launches it) gives gate|up then down's numbers bit for bit, launch after launch, with
-    the gate|up programs going on to down's units or not, their first weights loaded before the wait or not, from one
-    program per gate|up tile to two an SM."""
-    from higgs_trt.builder.gpu_engine import Workspace
-    from higgs_trt.builder.gpu_linear import FP8_CODES, Linear, mlp
-
-    g = torch.Generator(device="cuda").manual_seed(7)
-    gate, up = torch.randn(2, INTER, HIDDEN, device="cuda", generator=g).bfloat16() * 0.02
-    gate_up = Linear(gate, up, act_amax=4.0 if fp8 else None)
-    down = Linear(torch.randn(HIDDEN, INTER, device="cuda", generator=g).bfloat16() * 0.02,
-                  act_amax=2.0 if fp8 else None)
-    ws = Workspace(INTER, 16, 1, 1, 16, 16, "cuda", pdl=torch.cuda.get_device_capability() >= (9, 0))
-    x = torch.randn(16, HIDDEN, device="cuda", generator=g).bfloat16()
-    if fp8:
-        x = (x.float() / gate_up.x_scale).clamp(-448, 448).to(FP8_CODES)
-    gu_tiles = -(-INTER // gate_up.tiles.block_n)
-    for m in (1, 5, 16):
-        h = torch.randn(16, HIDDEN, device="cuda", generator=g).bfloat16()
-        act_ref, h_ref = torch.zeros(16, INTER, device="cuda", dtype=x.dtype), h.clone()
-        gate_up(x, act_ref, m, ws, out_scale=down.x_scale)
-        down(act_ref, h_ref, m, ws, residual=True)
-        for programs in (gu_tiles + 1, gu_tiles + 48, 2 * ws.sms):
-            for gu_then_down, gu_preload in ((True, False), (False, False), (True, True)):
-                for _ in range(3):
-                    act, out = torch.zeros_like(act_ref), h.clone()
-                    mlp(gate_up, down, x, act, out, m, ws, programs, gu_then_down, gu_preload)
-                    torch.cuda.synchronize()
-                    key = (m, programs, gu_then_down, gu_preload)
-                    assert torch.equal(act.view(torch.uint8), act_ref.view(torch.uint8)), key
-                    assert torch.equal(out, h_ref), key
-    assert not ws.tickets.any()
-
-
 def test_codec_snake_on_the_gpu_equals_its_formula():
     """The codec's Snake in one Triton pass (CUDA tensors) against the module's torch formula on the CPU, at the last
     decoder block's size for 4 windows of 45 frames."""

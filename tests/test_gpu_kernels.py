@@ -222,42 +222,6 @@ for fp8 in (False, True):
 """)
 
 
-def test_mlp_in_one_launch_equals_gate_up_then_down_bit_for_bit():
-    """gpu_kernels.mlp (gate|up and down in one launch, down's K ranges waiting for the gate|up tiles of their
-    columns) gives the two launches' numbers bit for bit, bf16 and FP8, 1 to 16 rows, gate|up tiles inside one of
-    down's ranges or across two, several grids, launch after launch on counters that are never reset. The
-    interpreter runs the programs one after another, so here the gate|up programs stop after their tile (a wait
-    that waits would never end): tests/test_gpu_engine.py runs the programs concurrently, and on, on the GPU."""
-    run("""
-from higgs_trt.builder.gpu_engine import Workspace
-from higgs_trt.builder.gpu_linear import Linear, TileConfig, mlp
-for hidden, inter, gu_tiles, dn_tiles in [(64, 192, TileConfig(32, 32, 1), TileConfig(32, 32, 3)),
-                                          (48, 192, TileConfig(32, 16, 1), TileConfig(16, 16, 4))]:
-    for fp8 in (False, True):
-        g, u = (torch.randn(2, inter, hidden) / hidden ** 0.5).bfloat16()
-        gate_up = Linear(g, u, act_amax=4.0 if fp8 else None)
-        down = Linear((torch.randn(hidden, inter) / inter ** 0.5).bfloat16(), act_amax=2.0 if fp8 else None)
-        gate_up.tiles, down.tiles = gu_tiles, dn_tiles
-        ws = Workspace(inter, 16, 1, 1, 16, 16, "cpu")
-        x = torch.randn(16, hidden).bfloat16()
-        if fp8:  # the norm before gate|up hands it codes
-            x = (x.float() / gate_up.x_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        codes = torch.float8_e4m3fn if fp8 else torch.bfloat16
-        for m in (1, 5, 16):
-            h = torch.randn(16, hidden).bfloat16()
-            act_ref, h_ref = torch.zeros(16, inter, dtype=codes), h.clone()
-            gate_up(x, act_ref, m, ws, out_scale=down.x_scale)
-            down(act_ref, h_ref, m, ws, residual=True)
-            assert not torch.equal(h_ref[:m], h[:m]) and torch.equal(h_ref[m:], h[m:])
-            for programs, gu_preload in ((7, True), (9, False)):
-                act, out = torch.zeros(16, inter, dtype=codes), h.clone()
-                mlp(gate_up, down, x, act, out, m, ws, programs, gu_then_down=False, gu_preload=gu_preload)
-                assert torch.equal(act.view(torch.uint8), act_ref.view(torch.uint8)), (hidden, fp8, m, programs)
-                assert torch.equal(out, h_ref), (hidden, fp8, m, programs)
-                assert not ws.tickets.any()
-""")
-
-
 def test_quantize_rows_gives_the_codes_an_fp8_linear_makes_of_bf16_rows():
     run(LINEAR + """
 from higgs_trt.builder.gpu_engine import Workspace
