@@ -155,6 +155,50 @@ def bench_profile(precision, batches, context, leave_out):
     run(HIGGS_V3, tuple(batch_sizes), fp8_options, context, say=click.echo)
 
 
+@click.command("weight-stream")
+@click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True)
+@click.option("--rings", default="32,48,64,96,128", show_default=True,
+              help="Shared memory each kernel block streams its weights through, KB, comma-separated (16 to 192).")
+@click.option("--blocks", default="1,2", show_default=True,
+              help="GEMV blocks per multiprocessor, comma-separated (1 to 4).")
+@click.option("--check", is_flag=True, help="Only check each GEMV's sums against the host's (no timing).")
+@click.option("--nvcc", default="nvcc", show_default=True, help="The CUDA compiler (a name on PATH, or a path).")
+def bench_weight_stream(precision, rings, blocks, check, nvcc):
+    """A B=1 decode step's weight stream as 144 hand-written CUDA kernels in one graph (36 layers x q|k|v, o,
+    gate|up, down at Higgs v3's shapes, random weights): kernels that only read their matrix, and GEMVs that stream
+    their rows through a shared-memory ring of bulk copies, each launched in turn without programmatic dependent
+    launch, with it and every load after the wait for the previous kernel, with the weights loaded before that wait,
+    and with no wait. ms per step against the floor at the copy rate. A measurement of kernel boundaries and of a
+    design the engine's Triton kernels cannot express, not the engine (needs nvcc and a GPU of compute capability
+    9.0 or later)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from higgs_trt.runtime.options import sizes
+
+    ring_sizes = sizes("--rings", rings, 192)
+    block_counts = sizes("--blocks", blocks, 4)
+    if min(ring_sizes) < 16:
+        raise HiggsError("--rings: each ring must hold at least 16 KB")
+    compiler = shutil.which(nvcc)
+    if compiler is None:
+        raise HiggsError(f"bench weight-stream needs the CUDA compiler: {nvcc!r} not found (--nvcc PATH)")
+    source = Path(__file__).with_name("weight_stream.cu")
+    with tempfile.TemporaryDirectory() as tmp:
+        program = Path(tmp) / "weight_stream"
+        say(f"compiling {source.name} with {compiler}")
+        built = subprocess.run([compiler, "-O3", "-std=c++17", "-arch=sm_90", "-o", str(program), str(source)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            lines = (built.stderr or built.stdout).strip().splitlines() or ["no output"]
+            raise HiggsError(f"nvcc failed on {source.name}: {lines[0]}")
+        args = [str(program), "--precision", precision, "--rings", ",".join(map(str, ring_sizes)),
+                "--blocks", ",".join(map(str, block_counts))]
+        if subprocess.run(args + (["--check"] if check else [])).returncode != 0:
+            raise HiggsError("bench weight-stream failed (its error is above)")
+
+
 @click.command("export")
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
 @click.option("--max-seq", type=int, default=2048, show_default=True)
@@ -458,4 +502,4 @@ def tiny_checkpoint(out_dir, seed, shards, size):
 
 COMMANDS = [export, build, calibrate, compare, tiny_checkpoint]
 BENCHMARKS = [bench_build, bench_kernels, bench_export, bench_checkpoint, bench_linear, bench_attention,
-              bench_codec, bench_profile]
+              bench_codec, bench_profile, bench_weight_stream]

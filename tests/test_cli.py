@@ -119,6 +119,24 @@ def test_gpu_benchmarks_without_a_gpu_are_refused_in_one_line(command, args):
     assert r.stderr.strip() == f"Error: bench {command} needs torch built with CUDA and an NVIDIA GPU"
 
 
+def test_bench_weight_stream_refuses_a_missing_compiler_and_small_rings_in_one_line(tmp_path):
+    r = higgs("bench", "weight-stream", "--nvcc", tmp_path / "no-nvcc")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"Error: bench weight-stream needs the CUDA compiler: '{tmp_path / 'no-nvcc'}' not found (--nvcc PATH)"
+    r = higgs("bench", "weight-stream", "--rings", "32,8")
+    assert r.returncode == 1 and r.stderr.strip() == "Error: --rings: each ring must hold at least 16 KB"
+
+
+@pytest.mark.gpu
+def test_bench_weight_stream_gemvs_sum_as_the_host_does():
+    """The hand-written GEMVs of `bench weight-stream` (nvcc on the GPU host) against double-precision sums: every
+    shape, precision and launch mode whose loads differ."""
+    r = higgs("bench", "weight-stream", "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    checks = [line for line in r.stdout.splitlines() if line.startswith("check")]
+    assert len(checks) == 2 * 4 * 3 and not any("FAILED" in line for line in checks), r.stdout
+
+
 def test_bench_stream_prints_figures_per_level(tiny_engine):
     """Closed-loop streams per level: audio-s/s, first audio, underruns, how long requests waited for a slot, and the
     scheduler loop's phases."""
