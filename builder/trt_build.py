@@ -246,7 +246,7 @@ def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibra
     if same and calibration is not None:
         try:
             wanted = json.loads(Path(calibration).read_text()).get("content_sha256")
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return None  # let the export report the unreadable file
         same = m.get("calibration", {}).get("content_sha256") == wanted
     return engine if same else None

@@ -151,6 +151,10 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, codec_pr
     to_stdout = str(out) == "-"
     if to_stdout and not stream:
         raise HiggsError("--out - (raw PCM on stdout) needs --stream")
+    if to_stdout and sys.stdout is None:
+        raise HiggsError("--out -: standard output is closed")
+    if codes_out is not None and str(codes_out) == "-":
+        raise HiggsError("--codes-out takes a file path ('-' names no file here; the codes are an .npy file)")
     inputs = (checkpoint, engine, ref_codes, ref_audio)
     check_outputs(None if to_stdout else out, codes_out, inputs)
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work

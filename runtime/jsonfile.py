@@ -25,6 +25,8 @@ def parse_json(text: str, source) -> object:
         return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except ValueError as e:
         raise HiggsError(f"{source}: unreadable: not valid JSON ({e})") from None
+    except RecursionError:
+        raise HiggsError(f"{source}: unreadable: JSON nested too deeply") from None
 
 
 def _unique_keys(pairs: list) -> dict:

@@ -75,6 +75,9 @@ def _malformed(m: dict) -> str | None:
         return "no valid precision or checkpoint fingerprint"
     if not isinstance(m.get("model"), dict) or type(m["model"].get("text_vocab_size")) is not int:
         return "no model dimensions"
+    strides = m.get("codec", {}).get("strides") if isinstance(m.get("codec"), dict) else None
+    if not (isinstance(strides, list) and strides and all(type(s) is int and s > 0 for s in strides)):
+        return "no valid codec strides"
     graphs = m.get("graphs")
     if not isinstance(graphs, dict) or not all(
             isinstance(g, dict) and g.get("file") in files and isinstance(g.get("inputs"), list)
@@ -93,8 +96,8 @@ class EngineDir:
             self.manifest = json.loads(file.read_text())
         except FileNotFoundError:
             raise HiggsError(f"{self.path}: not an engine directory (no {MANIFEST}); create one with `higgs-trt export`") from None
-        except (OSError, ValueError) as e:
-            raise HiggsError(f"{file}: unreadable ({e})") from None
+        except (OSError, ValueError, RecursionError) as e:
+            raise HiggsError(f"{file}: unreadable ({type(e).__name__ if isinstance(e, RecursionError) else e})") from None
         m = self.manifest
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise HiggsError(f"{file}: format {m.get('format') if isinstance(m, dict) else None!r} is not {FORMAT}; re-export")

@@ -5,7 +5,10 @@
   directory holding only what that kind of command makes (an engine directory: a higgs-trt manifest.json and its
   files), replaced whole. Rebuilding an engine needs no --force; a directory with anything else in it is refused.
 - Never an input of the same command, nor a path inside an input directory (the checkpoint, the engine), nor
-  (for a directory) one that contains an input.
+  (for a directory) one that contains an input; nor a path inside any engine directory or checkpoint, an input or
+  not (their files are checked whole: one written among them breaks them).
+- Only where this process can create files: checked by making (and removing) one there before any work, since
+  access() says yes to root everywhere (/proc included) and a name may be too long only with our temp suffix.
 - Symlinks are followed: the rule applies to the path the link names, which is what gets replaced (the link
   stays a link); a link that names nothing is refused.
 Anything else (a directory where a file goes, a device, a fifo, a socket) is refused with one line naming it.
@@ -69,18 +72,46 @@ def _check_inputs(path: Path, target: Path, inputs, directory: bool) -> None:
             raise HiggsError(f"{path}: contains {given}, an input of this command; write somewhere else")
 
 
+def _check_model_dirs(path: Path, target: Path) -> None:
+    for parent in target.parents:
+        what = _model_dir(parent)
+        if what:
+            raise HiggsError(f"{path}: lies inside {parent}, {what}; write somewhere else")
+
+
+def _model_dir(directory: Path) -> str | None:
+    """'an engine directory' or 'a checkpoint' where `directory` is one, else None."""
+    if _engine_listing(directory) is not None:
+        return "an engine directory"
+    if (directory / "config.json").is_file() and any((directory / name).is_file() for name in CHECKPOINT_WEIGHTS):
+        return "a checkpoint"
+    return None
+
+
+CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # builder/checkpoint.py's two layouts
+
+
+def _probe(path: Path, directory: Path, target: Path, kind: str) -> None:
+    """Make and remove an entry named as our temp files beside `target` are, in `directory`."""
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=directory, prefix=_beside(target, kind)))
+    except OSError as e:
+        raise HiggsError(f"{path}: cannot be written in {directory} ({e.strerror or e})") from None
+
+
 def output_file(path: Path, inputs=()) -> Path:
     """Check that `path` may be written as a file (see the module's rule); returns the path to write."""
     target = _resolve(path)
     _check_inputs(path, target, inputs, directory=False)
+    _check_model_dirs(path, target)
     if not target.parent.is_dir():
-        raise HiggsError(f"{path}: directory {target.parent} does not exist")
+        what = "is not a directory" if target.parent.exists() else "does not exist"
+        raise HiggsError(f"{path}: {target.parent} {what}")
     if os.path.lexists(target):
         mode = target.stat().st_mode
         if not stat.S_ISREG(mode):
             raise HiggsError(f"{path}: is {_what_is(mode)}, not a file; refusing to replace it")
-    if not os.access(target.parent, os.W_OK):
-        raise HiggsError(f"{path}: directory {target.parent} is not writable")
+    _probe(path, target.parent, target, "partial")
     return target
 
 
@@ -91,6 +122,7 @@ def output_dir(path: Path, what: str, foreign: Callable[[Path], str | None], inp
     it is: it may be replaced)."""
     target = _resolve(path)
     _check_inputs(path, target, inputs, directory=True)
+    _check_model_dirs(path, target)
     if os.path.lexists(target):
         mode = target.stat().st_mode
         if not stat.S_ISDIR(mode):
@@ -100,8 +132,9 @@ def output_dir(path: Path, what: str, foreign: Callable[[Path], str | None], inp
             raise HiggsError(f"{path}: {reason}, so it is not {what} this command may replace; "
                              f"move it away or write somewhere else")
     parent = next((p for p in target.parents if p.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+    if parent is None or not parent.is_dir():
         raise HiggsError(f"{path}: cannot be created under {parent}")
+    _probe(path, parent, target, "staging")
     return target
 
 
@@ -116,16 +149,25 @@ def output_engine_dir(path: Path, inputs=()) -> Path:
     return output_dir(path, "an engine directory", _not_an_engine_dir, inputs)
 
 
-def _not_an_engine_dir(directory: Path) -> str | None:
+def _engine_listing(directory: Path) -> set | None:
+    """The files a higgs-trt manifest.json in `directory` lists; None where there is no such manifest."""
     import json
 
     from .manifest import MANIFEST
 
+    if not (directory / MANIFEST).is_file():
+        return None
     try:
         manifest = json.loads((directory / MANIFEST).read_bytes())
-        listed = set(manifest["files"]) if isinstance(manifest, dict) and "format" in manifest else None
-    except (OSError, ValueError, KeyError, TypeError):
-        listed = None
+        return set(manifest["files"]) if isinstance(manifest, dict) and "format" in manifest else None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
+def _not_an_engine_dir(directory: Path) -> str | None:
+    from .manifest import MANIFEST
+
+    listed = _engine_listing(directory)
     if listed is None:
         return f"holds no higgs-trt {MANIFEST}"
     others = unexpected_entries(directory, lambda n: n in listed or n == MANIFEST or ENGINE_EXTRAS.fullmatch(n))
@@ -178,7 +220,10 @@ def partial_file(path: Path, inputs=()) -> tuple[Path, Path]:
     """(target, an empty temp file beside it) for a file written over time; `commit` puts it in place."""
     target = output_file(path, inputs)
     remove_stale(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_beside(target, "partial"))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_beside(target, "partial"))
+    except OSError as e:
+        raise HiggsError(f"{path}: cannot be written ({e.strerror or e})") from None
     os.close(fd)
     return target, Path(tmp)
 
@@ -218,20 +263,29 @@ def staged_dir(target: Path):
     target = Path(target)
     remove_stale(target)
     made = [p for p in reversed(target.parents) if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=_beside(target, "staging")))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=_beside(target, "staging")))
+    except OSError as e:
+        _remove_empty(made)
+        raise HiggsError(f"{target}: cannot be written ({e.strerror or e})") from None
     try:
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield staging
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        for p in reversed(made):
-            try:
-                p.rmdir()
-            except OSError:
-                break
+        _remove_empty(made)
         raise
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the directories a write made for its target, deepest first, while they are empty."""
+    for p in reversed(made):
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def _umask() -> int:

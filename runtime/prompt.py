@@ -112,6 +112,8 @@ def load_reference_codes(path: Path) -> np.ndarray:
         codes = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise HiggsError(f"{path}: cannot read reference codes ({e})") from None
+    except MemoryError:  # a header that claims far more data than the file holds
+        raise HiggsError(f"{path}: cannot read reference codes (its header claims more than memory holds)") from None
     return check_reference_codes(codes, str(path))
 
 

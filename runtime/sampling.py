@@ -36,6 +36,7 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: 
         ranked = p[order]
         keep = np.zeros(vocab, bool)
         keep[order[(np.cumsum(ranked) - ranked) < top_p]] = True
+        keep[order[0]] = True  # also where top_p is below float32's range (0 here)
         p = np.where(keep, p, 0.0)
     cdf = np.cumsum(p)
     return min(int((cdf <= u * p.sum()).sum()), vocab - 1)

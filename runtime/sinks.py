@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import HiggsError
 from .outputs import commit, partial_file
 from .wav import SAMPLE_RATE, pcm16
 
@@ -29,13 +30,18 @@ def wav_header(data_bytes: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
 class PcmSink:
     """Raw PCM to a binary stream (stdout), flushed chunk by chunk."""
 
-    def __init__(self, stream):
-        self.stream, self.samples, self.clipped = stream, 0, 0
+    def __init__(self, stream, name: str = "standard output"):
+        self.stream, self.name, self.samples, self.clipped = stream, name, 0, 0
 
     def write(self, chunk: np.ndarray) -> None:
         data, clipped = pcm16(chunk)
-        self.stream.write(data)
-        self.stream.flush()
+        try:
+            self.stream.write(data)
+            self.stream.flush()
+        except BrokenPipeError:
+            raise  # the reader left (`| head`): click exits quietly, as a pipe's writer should
+        except OSError as e:
+            raise HiggsError(f"{self.name}: cannot write ({e.strerror or e})") from None
         self.samples += len(chunk)
         self.clipped += clipped
 
@@ -52,7 +58,7 @@ class WavSink(PcmSink):
     def __init__(self, path: Path, inputs=()):
         self.path, self.inputs = Path(path), inputs
         _, self.tmp = partial_file(self.path, inputs)
-        super().__init__(open(self.tmp, "wb"))
+        super().__init__(open(self.tmp, "wb"), str(self.path))
         self.stream.write(wav_header(0))
 
     def close(self) -> None:

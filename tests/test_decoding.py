@@ -152,6 +152,8 @@ def test_top_k_and_top_p_restrict_the_choice():
     # a tiny nucleus leaves only the best code
     best = np.argmax(logits, axis=-1)
     assert np.array_equal(choose_row(logits, 1.0, 0, 1e-6, seed=0, row=0), best)
+    # so does one below float32's range (0 in float32), as in the device kernel
+    assert np.array_equal(choose_row(logits, 1.0, 0, 1e-300, seed=0, row=0), best)
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0])

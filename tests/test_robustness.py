@@ -272,6 +272,15 @@ def _ref(w: World, codes) -> Path:
     return w.tmp / "ref.npy"
 
 
+def _ref_claiming(w: World, shape) -> Path:
+    """An .npy file whose header claims `shape` (int32) over 64 bytes of data."""
+    path = w.tmp / "claims.npy"
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<i4", "fortran_order": False, "shape": shape})
+        f.write(bytes(64))
+    return path
+
+
 def _bench_engine(w: World, *extra) -> list:
     return ["bench", "decode", "--engine", w.engine, *extra]
 
@@ -379,6 +388,10 @@ ENGINE = [
     Case("empty-directory", lambda w: w.run_ort(_empty(w)), "no manifest.json"),
     Case("manifest-not-json", lambda w: w.run_ort(w.engine_file(MANIFEST, "{")), "manifest.json: unreadable"),
     Case("manifest-a-list", lambda w: w.run_ort(w.engine_file(MANIFEST, "[]")), "format None is not 1"),
+    Case("manifest-nested-too-deeply", lambda w: w.run_ort(w.engine_file(MANIFEST, "[" * 100_000 + "]" * 100_000)),
+         "manifest.json: unreadable (RecursionError)"),
+    Case("resealed-without-codec", lambda w: w.run_ort(w.manifest(lambda m, e: m.pop("codec"))),
+         "no valid codec strides"),
     Case("manifest-format-2", lambda w: w.run_ort(w.manifest(lambda m, e: m.update(format=2))), "format 2 is not 1"),
     Case("manifest-edited", lambda w: w.run_ort(w.manifest(lambda m, e: m["limits"].update(max_seq=4096), reseal=False)),
          "has been edited by hand"),
@@ -419,6 +432,10 @@ TEXT = [
                                                     "--ref-text", "I said <|audio|>"),
          "reference text may not contain the prompt token(s) <|audio|>"),
     Case("ref-text-without-codes", lambda w: w.run_ort(w.engine, "--ref-text", "hello"), "--ref-text needs --ref-codes"),
+    Case("ref-codes-header-claims-terabytes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref_claiming(w, (10**12, 8))),
+         "cannot read reference codes"),
+    Case("ref-codes-truncated", lambda w: w.run_ort(w.engine, "--ref-codes", _ref_claiming(w, (100, 8))),
+         "cannot read reference codes"),
     Case("too-long-for-engine", lambda w: w.run_ort(w.engine, text="word " * 120), "the engine's prefill takes at most 96"),
     Case("too-long-for-cache", lambda w: w.run_torch(w.ckpt, "--max-seq", "32") + ["--text", "word " * 40],
          "text too long"),
@@ -509,6 +526,24 @@ OUTPUTS = [
     Case("out-is-ref-codes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
                                                  out=w.tmp / "ref.npy"), "is an input of this command"),
     Case("out-parent-missing", lambda w: w.run_ort(w.engine, out=w.tmp / "no" / "such.wav"), "does not exist"),
+    Case("out-parent-a-file", lambda w: w.run_ort(w.engine, out=_file(w) / "x.wav"), "is not a directory"),
+    Case("out-inside-another-engine", lambda w: w.run_ort(w.engine, out=w.engine_copy() / MANIFEST),
+         "engine, an engine directory; write somewhere else"),
+    Case("out-inside-a-checkpoint-not-an-input", lambda w: w.run_ort(w.engine, out=w.ckpt / "config.json"),
+         "a checkpoint; write somewhere else"),
+    Case("codes-out-inside-another-engine", lambda w: w.run_ort(w.engine, "--codes-out", w.engine_copy() / "c.npy"),
+         "an engine directory"),
+    Case("calibrate-over-an-engine-manifest", lambda w: ["calibrate", "--checkpoint", w.ckpt, "--out",
+                                                         w.engine / MANIFEST], "an engine directory"),
+    Case("tiny-checkpoint-inside-an-engine", lambda w: ["tiny-checkpoint", w.engine / "ck"], "an engine directory"),
+    Case("out-unwritable", lambda w: w.run_ort(w.engine, out=Path("/proc/x.wav")), "cannot be written in /proc"),
+    Case("stream-out-unwritable", lambda w: w.run_ort(w.engine, "--stream", out=Path("/proc/x.wav")),
+         "cannot be written in /proc"),
+    Case("export-unwritable", lambda w: ["export", "--checkpoint", w.ckpt, "--out", "/proc/e"],
+         "cannot be written in /proc"),
+    Case("tiny-checkpoint-unwritable", lambda w: ["tiny-checkpoint", "/proc/ck"], "cannot be written in /proc"),
+    Case("out-name-too-long", lambda w: w.run_ort(w.engine, out=w.tmp / ("a" * 250 + ".wav")), "name too long"),
+    Case("codes-out-dash", lambda w: w.run_ort(w.engine, "--codes-out", "-"), "--codes-out takes a file path"),
     Case("export-over-a-directory-of-notes", lambda w: ["export", "--checkpoint", w.ckpt, "--out", _victim(w)],
          "holds no higgs-trt manifest.json"),
     Case("export-over-checkpoint-config", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.ckpt / "config.json"],
@@ -567,6 +602,7 @@ PROMPTS = [
     Case("duplicate-key", lambda w: w.compare(w.prompts(b'[{"text": "a", "text": "b"}]')), "key 'text' appears twice"),
     Case("too-long-for-engine", lambda w: w.compare(w.prompts([{"text": "word " * 120}])),
          "prompt 0: text too long"),
+    Case("nested-too-deeply", lambda w: w.compare(w.prompts(b"[" * 100_000 + b"]" * 100_000)), "nested too deeply"),
 ]
 
 GROUPS = {"checkpoint": CHECKPOINT, "engine": ENGINE, "text": TEXT, "options": OPTIONS, "outputs": OUTPUTS,
@@ -602,12 +638,28 @@ def test_bad_input_is_refused_in_one_line(case, tiny_ckpt, tiny_engine, tmp_path
     ("A very long seed.", ("--seed", str(2**63 - 1), "--temperature", "0.7")),
     ("A large top-k.", ("--top-k", str(10**12), "--top-p", "0.9")),
     ("Greedy.", ("--temperature", "0")),
+    ("A nucleus below float32's range keeps the best code.", ("--top-p", "1e-300")),
 ])
 def test_valid_inputs_are_accepted(tiny_engine, tmp_path, text, options):
     out = tmp_path / "out.wav"
     code, stderr = higgs("run", "--engine", tiny_engine, "--text", text, "--out", out, *options)
     assert code == 0, stderr
     assert out.stat().st_size > 44 and "Error" not in stderr
+
+
+@pytest.mark.parametrize("stdout, message", [("/dev/full", "standard output: cannot write (No space left on device)"),
+                                             (None, "--out -: standard output is closed")])
+def test_streaming_to_a_stdout_that_fails_is_one_line(tiny_engine, stdout, message):
+    run = [sys.executable, "-m", "higgs_trt.runtime.cli", "run", "--engine", str(tiny_engine), "--text", "Hi.",
+           "--stream", "--out", "-"]
+    if stdout is None:  # closed: the shell's >&-
+        r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *run], stderr=subprocess.PIPE, text=True)
+    else:
+        with open(stdout, "wb") as sink:
+            r = subprocess.run(run, stdout=sink, stderr=subprocess.PIPE, text=True)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and errors == [f"Error: {message}"], r.stderr
+    assert "Traceback" not in r.stderr
 
 
 # ---- outputs: replaced only when they are what the command makes ---------------------------------------------------
