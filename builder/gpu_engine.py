@@ -76,6 +76,13 @@ ATTENTION_PREFETCH_ROWS = 4
 # 2.618 ms, BF16 3.392 → 3.315; slower at every other bucket (B=1 FP8 1.871 → 1.956, B=16 2.115 → 2.269, B=64 3.454
 # → 3.722; at 2 stages slower still).
 ATTENTION_TMA_BUCKETS = (32,)
+# Steps (by bucket) whose decode attention lets the o GEMM launch as its programs finish, not as they pass their wait
+# (the o GEMM's early programs then do not share the SMs with attention's). H200, steps side by side, 300 positions,
+# two rounds: B=16 FP8 2.083–2.084 → 2.074–2.077 ms, BF16 2.883–2.893 → 2.842–2.852; B=32 2.527–2.528 → 2.520–2.521
+# and 3.188 → 3.191–3.192; B=64 3.135–3.136 → 3.130–3.131 and 3.807–3.809 → 3.809; slower at 4 and 8 rows (FP8 1.910 →
+# 1.927, 1.981 → 1.996). Letting programs past a row's prefix leave before the wait (o launches sooner) was slower at
+# B=64 (3.153 → 3.162–3.170, BF16 3.846 → 3.861–3.865).
+ATTENTION_LATE_LAUNCH_BUCKETS = (16, 32, 64)
 PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention program
 _claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
 
@@ -297,7 +304,8 @@ class GpuEngine:
                 self.write_pos, attn, ws.attn_partials, ws.attn_stats, ws.attn_tickets, self.max_seq, cfg.rms_norm_eps,
                 layer.o.x_scale, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
                 MAX_CHUNKS=ws.chunks, OUT_FP8=layer.o.fp8, num_stages=attention_stages(n),
-                num_warps=ATTENTION_WARPS, PREFETCH=self.pdl and n <= ATTENTION_PREFETCH_ROWS, **tma, **self._launch())
+                num_warps=ATTENTION_WARPS, PREFETCH=self.pdl and n <= ATTENTION_PREFETCH_ROWS,
+                LATE_LAUNCH=n in ATTENTION_LATE_LAUNCH_BUCKETS, **tma, **self._launch())
             layer.o(attn, h, n, ws, residual=True)
             x = self._norm(h, layer.post_norm, n, layer.gate_up)
             layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)

@@ -282,7 +282,7 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
                            Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK_S: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
                            OUT_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False, k_desc=None, v_desc=None,
-                           TMA: tl.constexpr = False):
+                           TMA: tl.constexpr = False, LATE_LAUNCH: tl.constexpr = False):
     """GPU path, one new row per batch row, from the fused q|k|v projection's rows qkv [B, (Hq + 2·Hkv)·D]: what
     qk_norm_rope_kv_write does for the row (q and k normalised per head and rotated at position write_pos[b], k and
     v written into the caches there), then attention over the prefix 0..write_pos[b] → out [B, Hq·D]. One kernel
@@ -293,6 +293,7 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
     [B, Hq, MAX_CHUNKS, 2] fp32).
     OUT_FP8: out holds the bf16 result quantized at out_scale, the FP8 o projection's input (quantized once here,
     not in each of that GEMM's programs: at 64 rows they spent more time quantizing than reading weights).
+    LATE_LAUNCH: the next kernel may launch once every program has finished, not once every program has waited.
 
     Before the wait (PDL: while the q|k|v GEMM runs) it reads only what no kernel of this step writes: the row's
     position (advance_slots, at the end of the previous step), the RoPE table and, with PREFETCH, its chunk's cached
@@ -316,7 +317,7 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
     if PREFETCH:
         _prefetch_chunk(k_cache, v_cache, ((b * KV_HEADS + g) * max_seq) * HEAD_DIM, c * CHUNK,
                         tl.minimum(c * CHUNK + CHUNK, length), HEAD_DIM, CHUNK)
-    await_inputs(PDL)
+    await_inputs(PDL, LAUNCH_NEXT=not LATE_LAUNCH)
     if c < chunks:
         src = qkv + b * ((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)
         if c == chunks - 1:  # the program of the last chunk writes the new key and value first
@@ -375,6 +376,8 @@ def decode_attention_split(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, writ
                 tl.debug_barrier()
                 _combine_chunks(out, partials, stats, part, q_rows, d, valid, chunks, out_scale, HEAD_DIM, OUT_FP8)
                 tl.atomic_xchg(tickets + b * KV_HEADS + g, 0, sem="relaxed", scope="gpu")
+    if LATE_LAUNCH:
+        launch_next(PDL)
 
 
 @triton.jit
