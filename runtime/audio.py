@@ -33,6 +33,7 @@ SEMANTIC_RATE = 16000  # HuBERT's rate
 SEMANTIC_PAD = 160  # zeros each side of the 16 kHz signal (transformers' encode)
 MIN_SECONDS, MAX_SECONDS = 1.0, 30.0
 MAX_CHANNELS = 2
+MIN_RATE = 8000  # telephone speech; below it a recording holds no voice to clone
 SILENCE = 1e-3  # peak below −60 dBFS: nothing for the encoder to clone
 RESAMPLE_QUALITY = "HQ"
 CACHE_SIZE = 32
@@ -93,6 +94,8 @@ def _check_shape(path, channels: int, frames: int, rate: int) -> None:
         raise HiggsError(f"{path}: has {channels} channels; reference audio must be mono or stereo")
     if frames <= 0 or rate <= 0:
         raise HiggsError(f"{path}: is empty (no audio samples)")
+    if rate < MIN_RATE:
+        raise HiggsError(f"{path}: sampled at {rate} Hz; reference audio needs at least {MIN_RATE} Hz")
     seconds = frames / rate
     if seconds < MIN_SECONDS:
         raise HiggsError(f"{path}: {seconds:.2f} s of audio; a reference needs at least {MIN_SECONDS:g} s")

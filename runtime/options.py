@@ -8,6 +8,7 @@ from .errors import HiggsError
 MAX_SEED = 2**63 - 1
 # Below this the softmax of logits / T can overflow to inf (then NaN) in float64; 0 is the greedy setting.
 MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: the samplers divide logits by T in float32
 
 
 def sampling(temperature: float, top_k: int, top_p: float, seed: int) -> Sampling:
@@ -15,6 +16,8 @@ def sampling(temperature: float, top_k: int, top_p: float, seed: int) -> Samplin
         raise HiggsError(f"--temperature must be a finite number ≥ 0 (0 is greedy), got {temperature}")
     if 0 < temperature < MIN_TEMPERATURE:
         raise HiggsError(f"--temperature {temperature} is too small to sample with; use 0 (greedy) or ≥ {MIN_TEMPERATURE}")
+    if temperature > MAX_TEMPERATURE:
+        raise HiggsError(f"--temperature must be at most {MAX_TEMPERATURE:.4g} (float32's range), got {temperature}")
     if top_k < 0:
         raise HiggsError(f"--top-k must be ≥ 0 (0 keeps every code), got {top_k}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):

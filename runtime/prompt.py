@@ -60,6 +60,12 @@ class Prompt:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def too_long(self) -> str:
+        """How an error names a prompt too long for an engine: the text alone, or the text with reference audio."""
+        return f"text and reference audio ({int(self.is_audio.sum())} rows) too long" if self.is_audio.any() \
+            else "text too long"
+
 
 class HiggsTokenizer:
     """tokenizer.json with the Higgs special tokens; with `vocab_size` (the model's text vocabulary), every id it

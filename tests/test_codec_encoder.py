@@ -199,6 +199,7 @@ BAD_AUDIO = [
     ("nan", lambda p: write(p, np.where(np.arange(FILE_RATE * 2)[:, None] == 999, np.nan, voice(2.0)), subtype="FLOAT"),
      "NaN"),
     ("3 channels", lambda p: write(p, np.concatenate([voice(2.0), voice(2.0)[:, :1]], axis=1)), "3 channels"),
+    ("4 kHz", lambda p: write(p, voice(2.0)[::11], rate=4000), "sampled at 4000 Hz"),
 ]
 
 
