@@ -33,6 +33,7 @@ from .errors import HiggsError
 TAG = "higgs-trt"
 KINDS = ("partial", "staging", "old")
 LIST_LIMIT = 5
+CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # builder/checkpoint.py's two layouts
 
 
 def _names(items) -> str:
@@ -86,9 +87,6 @@ def _model_dir(directory: Path) -> str | None:
     if (directory / "config.json").is_file() and any((directory / name).is_file() for name in CHECKPOINT_WEIGHTS):
         return "a checkpoint"
     return None
-
-
-CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # builder/checkpoint.py's two layouts
 
 
 def _probe(path: Path, directory: Path, target: Path, kind: str) -> None:
