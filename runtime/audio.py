@@ -75,7 +75,10 @@ def _reference(source, name) -> ReferenceAudio:
             source.seek(0)
         samples, rate = soundfile.read(source, dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # unknown, corrupt, truncated
-        raise HiggsError(f"{name}: cannot read audio ({str(e).strip() or type(e).__name__})") from None
+        why = str(e).strip() or type(e).__name__
+        if "does not exist" in why:  # libsndfile's words for a file that exists but no decoder accepts (a bad mp3)
+            why = "corrupt, or not a format libsndfile decodes"
+        raise HiggsError(f"{name}: cannot read audio ({why})") from None
     _check_shape(name, samples.shape[1], samples.shape[0], rate)
     if not np.isfinite(samples).all():
         raise HiggsError(f"{name}: contains NaN or infinite samples")

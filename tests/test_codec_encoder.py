@@ -200,6 +200,8 @@ BAD_AUDIO = [
      "NaN"),
     ("3 channels", lambda p: write(p, np.concatenate([voice(2.0), voice(2.0)[:, :1]], axis=1)), "3 channels"),
     ("4 kHz", lambda p: write(p, voice(2.0)[::11], rate=4000), "sampled at 4000 Hz"),
+    ("noise as mp3", lambda p: write_bytes(p.with_suffix(".mp3"), np.random.default_rng(0).bytes(50_000)),
+     "corrupt, or not a format libsndfile decodes"),
 ]
 
 
