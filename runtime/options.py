@@ -11,7 +11,15 @@ MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: the samplers divide logits by T in float32
 
 
+def _real(option: str, value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range (JSON allows any)
+        raise HiggsError(f"{option} must be a finite number, got an integer too large for a float") from None
+
+
 def sampling(temperature: float, top_k: int, top_p: float, seed: int) -> Sampling:
+    temperature, top_p = _real("--temperature", temperature), _real("--top-p", top_p)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise HiggsError(f"--temperature must be a finite number ≥ 0 (0 is greedy), got {temperature}")
     if 0 < temperature < MIN_TEMPERATURE:

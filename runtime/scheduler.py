@@ -134,8 +134,9 @@ class Scheduler:
 
     def submit(self, request: Request) -> Request:
         with self.lock:
-            if len(self.queue) >= self.max_queue:
-                raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting)")
+            free = len(self.slots) - len(self.occupied)  # queued requests that will take a slot at the next step
+            if len(self.queue) - free >= self.max_queue:
+                raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting for a slot)")
             request.submitted_at = time.perf_counter()
             request.utterance = Utterance(request.max_rows, stop_rules=not request.fixed_rows)
             self.queue.append(request)

@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -65,6 +65,13 @@ MAX_BODY_BYTES = 16 << 20  # a 30 s reference as base64 fits (48 kHz stereo floa
 # 0.2-0.3 ms inline (tiny ORT engine, 64 clients at once, this repository's 2-core CI machine); on the H200 host a
 # 64-stream wave's admission fell from ~29 ms to 0.2-0.5 ms.
 INLINE_PARSE_BYTES = 64 << 10
+# Requests whose body passed INLINE_PARSE_BYTES (reference audio) being read, decoded and encoded at once; past this a
+# new one gets 429. The engine thread encodes them one at a time anyway, so more would only hold memory (~50 MB each).
+LARGE_BODIES_AT_ONCE = 8
+# A new connection must complete its request line and headers within this, or --timeout if shorter (uvicorn times
+# out idle keep-alive connections, but not a client that stalls before its first request: it would hold a
+# descriptor for ever).
+HEADER_SECONDS = 10.0
 WARMUP_TEXT = "Hello."
 # The engine thread lets go of the GIL at every kernel launch, graph replay and event wait and must win it back from
 # the event loop's thread each time, which under the interpreter's default switch interval (5 ms) can hold it that
@@ -327,6 +334,8 @@ class SpeechService:
         self.metrics = Metrics(engine)
         self.created = int(time.time())
         self.draining = False
+        self.admitting = 0  # requests between arrival and submission (reading, parsing, encoding reference audio)
+        self.large_bodies = 0
 
     # ---- routes ----
 
@@ -352,10 +361,13 @@ class SpeechService:
     async def speech(self, request: Request) -> Response:
         arrived, started = asyncio.get_running_loop().time(), time.perf_counter()
         try:
-            job, stream, speech, input_tokens = await self._admit(request)
+            job, stream, speech, input_tokens = await self._admit(request, arrived + self.timeout)
         except ApiError as e:
             self.metrics.errors.labels(e.code).inc()
             return JSONResponse(e.body(), e.status, headers=e.headers)
+        except ClientDisconnect:  # it left while sending its request: nobody to answer
+            self.metrics.errors.labels("client_gone").inc()
+            return Response(status_code=400)
         self.metrics.admission.observe(job.submitted_at - started)
         deadline = arrived + self.timeout
         stop = partial(self._stop, job, stream)
@@ -369,19 +381,29 @@ class SpeechService:
         media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
         return AudioResponse(self._audio(stream, job, speech, deadline), stop, media_type=media, headers=raw)
 
-    async def _admit(self, request: Request):
+    async def _admit(self, request: Request, deadline: float):
         """Parse, check, build the prompt, submit: every refusal is an ApiError."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
         if not self.engine.ready.is_set():
             why = f"the engine failed: {self.engine.failure}" if self.engine.failure else "the engine is loading"
             raise ApiError(503, why, None, "not_ready", "server_error", {"Retry-After": "5"})
-        body = await self._body(request)
-        if len(body) <= INLINE_PARSE_BYTES:
-            speech = parse_speech(body, self.model, self.voices, self.ref_dir)
-        else:
-            speech = await run_in_threadpool(parse_speech, body, self.model, self.voices, self.ref_dir)
-        prompt = await self._prompt(speech)
+        if self.admitting >= self.engine.max_queue:
+            raise ApiError(429, f"{self.admitting} requests are being received; retry shortly", None, "queue_full",
+                           "rate_limit_error", {"Retry-After": "1"})
+        self.admitting += 1
+        large = False
+        try:
+            body, large = await self._body(request, deadline)
+            if len(body) <= INLINE_PARSE_BYTES:
+                speech = parse_speech(body, self.model, self.voices, self.ref_dir)
+            else:
+                speech = await run_in_threadpool(parse_speech, body, self.model, self.voices, self.ref_dir)
+            del body  # up to 16 MB, not needed while its reference audio is decoded and encoded
+            prompt = await self._prompt(speech)
+        finally:
+            self.admitting -= 1
+            self.large_bodies -= large
         stream = AudioQueue(asyncio.get_running_loop(), self.metrics)
         with field("input"):
             job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
@@ -394,18 +416,53 @@ class SpeechService:
                            {"Retry-After": "1"}) from None
         return job, stream, speech, len(prompt)
 
-    async def _body(self, request: Request) -> bytes:
-        """The whole body, refused past the cap (read to its end, so the client gets the answer, not a reset)."""
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size <= self.max_body:
-                parts.append(part)
-            else:
-                parts.clear()
-        if size > self.max_body:
-            raise ApiError(413, f"the request body is {size} bytes; at most {self.max_body}", None, "request_too_large")
-        return b"".join(parts)
+    async def _body(self, request: Request, deadline: float) -> tuple[bytes, bool]:
+        """`_read_body`, refused when the body has not arrived by the request's deadline or the server starts
+        draining (a client that stalls mid-body must not hold its connection, nor a shutdown, past them)."""
+        reading = asyncio.ensure_future(self._read_body(request))
+        loop = asyncio.get_running_loop()
+        try:
+            while not reading.done():
+                wait = min(deadline - loop.time(), 1.0)  # a drain is noticed within a second
+                if self.draining:
+                    raise ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
+                if wait <= 0:
+                    raise ApiError(408, f"the request body did not arrive within {self.timeout:g} s (the server's "
+                                   "--timeout)", None, "request_timeout")
+                await asyncio.wait({reading}, timeout=wait)
+            return reading.result()
+        finally:
+            reading.cancel()  # a no-op once it is done
+
+    async def _read_body(self, request: Request) -> tuple[bytes, bool]:
+        """The whole body and whether it took one of the LARGE_BODIES_AT_ONCE places (the caller gives it back).
+        Refused past the size cap or the places, read to its end all the same, so the client gets the answer, not a
+        reset."""
+        parts, size, large, refused = [], 0, False, None
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > INLINE_PARSE_BYTES and not large and refused is None:
+                    if self.large_bodies < LARGE_BODIES_AT_ONCE:
+                        large = True
+                        self.large_bodies += 1
+                    else:
+                        refused = ApiError(429, f"{LARGE_BODIES_AT_ONCE} requests with reference audio are being "
+                                           "received; retry shortly", None, "queue_full", "rate_limit_error",
+                                           {"Retry-After": "1"})
+                if size <= self.max_body and refused is None:
+                    parts.append(part)
+                else:
+                    parts.clear()
+            if size > self.max_body:
+                raise ApiError(413, f"the request body is {size} bytes; at most {self.max_body}", None,
+                               "request_too_large")
+            if refused is not None:
+                raise refused
+        except BaseException:
+            self.large_bodies -= large
+            raise
+        return b"".join(parts), large
 
     async def _prompt(self, speech: Speech):
         voice = self.voices[speech.voice]
@@ -516,6 +573,23 @@ def create_app(service: SpeechService) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
 
 
+def header_deadline_protocol(seconds: float):
+    """uvicorn's h11 protocol, closing a connection whose first request line and headers have not arrived within
+    `seconds` (uvicorn's own timeout covers only idle keep-alive connections)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.loop.call_later(seconds, self._drop_before_first_request)
+
+        def _drop_before_first_request(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def serve(service: SpeechService, host: str, port: int) -> None:
     """Serve until SIGTERM / SIGINT (then drain and return) or an engine failure (HiggsError)."""
     import uvicorn
@@ -534,7 +608,8 @@ def serve(service: SpeechService, host: str, port: int) -> None:
         sock.close()
         raise HiggsError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     # In-flight requests end by their own --timeout; the grace period only adds time for the last bytes to go out.
-    config = uvicorn.Config(create_app(service), timeout_graceful_shutdown=service.timeout + 5, log_level="info")
+    config = uvicorn.Config(create_app(service), http=header_deadline_protocol(min(HEADER_SECONDS, service.timeout)),
+                            timeout_graceful_shutdown=service.timeout + 5, log_level="info")
     log.info("listening on http://%s:%d (/health turns 200 once the engine is loaded and warmed)", host,
              sock.getsockname()[1])
     server = Server(config)

@@ -120,9 +120,14 @@ def test_a_scheduler_prepares_the_engines_codec_for_its_plan_before_any_request(
 
 
 def test_the_admission_queue_is_bounded(engine, prompts):
+    """Requests beyond the free slots wait, at most max_queue of them; those a free slot will take never count."""
     scheduler = Scheduler(engine, max_queue=2)
-    for _ in range(2):
+    for _ in range(engine.max_batch + 2):
         scheduler.submit(request_for(engine, prompts[0], Sampling()))
+    with pytest.raises(QueueFull, match="queue is full"):
+        scheduler.submit(request_for(engine, prompts[0], Sampling()))
+    scheduler.step()  # max_batch of them take the slots: 2 wait
+    assert scheduler.busy == engine.max_batch and scheduler.waiting == 2
     with pytest.raises(QueueFull, match="queue is full"):
         scheduler.submit(request_for(engine, prompts[0], Sampling()))
 

@@ -332,6 +332,8 @@ BAD = [  # (body: dict | bytes, status, param)
     ({"input": "Hi", "temperature": -1}, 400, "temperature"),
     ({"input": "Hi", "temperature": "hot"}, 400, "temperature"),
     (b'{"input": "Hi", "temperature": NaN}', 400, "temperature"),
+    (b'{"input": "Hi", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+    (b'{"input": "Hi", "top_p": 1' + b"0" * 400 + b"}", 400, "top_p"),
     ({"input": "Hi", "top_p": 0}, 400, "top_p"),
     ({"input": "Hi", "top_k": -3}, 400, "top_k"),
     ({"input": "Hi", "top_k": 1.5}, 400, "top_k"),
@@ -437,6 +439,59 @@ def test_a_full_queue_answers_429_with_retry_after(engine_dir, long_request, tmp
         assert metric(m, 'higgs_errors_total{code="queue_full"}') == 1
     finally:
         assert s.stop() == 0, s.output()
+
+
+def _partial_request(port: int, declared: int, sent: bytes) -> socket.socket:
+    """A connection that declares a body of `declared` bytes and sends only `sent` of it, then stalls."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(f"POST {SPEECH} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {declared}\r\n\r\n".encode() + sent)
+    return conn
+
+
+def _answer(conn: socket.socket, timeout: float) -> bytes:
+    conn.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := conn.recv(65536):
+            data += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return data
+
+
+def test_clients_that_stall_or_leave_mid_request_are_dropped_quietly(engine_dir, tmp_path):
+    """A body that stalls gets 408 at --timeout; headers that stall are cut; a client that leaves mid-body is no
+    traceback; reference-audio bodies beyond LARGE_BODIES_AT_ONCE get 429; a drain does not wait for stalled bodies."""
+    from higgs_trt.runtime.server import LARGE_BODIES_AT_ONCE
+
+    s = Server(engine_dir, tmp_path / "stall.log", "--timeout", 2)
+    try:
+        stalled = _partial_request(s.port, 1000, b'{"input": ')
+        assert _answer(stalled, 6).startswith(b"HTTP/1.1 408 "), s.output()
+        headers = socket.create_connection(("127.0.0.1", s.port))
+        headers.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        assert _answer(headers, 6) == b""  # closed without an answer, within the deadline
+        for _ in range(3):
+            _partial_request(s.port, 1000, b'{"input": ').close()  # gone mid-body
+        big = b'{"input": "Hi", "ref_audio": "' + b"A" * (100 << 10)
+        uploads = [_partial_request(s.port, 10 << 20, big) for _ in range(LARGE_BODIES_AT_ONCE)]
+        time.sleep(0.5)
+        one_more = _partial_request(s.port, len(big) + 2, big + b'"}')
+        assert _answer(one_more, 6).startswith(b"HTTP/1.1 429 "), s.output()
+        for conn in uploads:
+            conn.close()
+        assert httpx.post(s.url + SPEECH, json=body(input=TEXT, max_new_tokens=10), timeout=60).status_code == 200
+        stalled = _partial_request(s.port, 1000, b'{"input": ')
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert s.stop() == 0, s.output()
+        assert time.monotonic() - t0 < 5, "the drain waited for a stalled body"
+        stalled.close()
+    finally:
+        s.stop()
+    log = s.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log
 
 
 def test_a_request_past_its_timeout_is_cut_and_its_slot_freed(engine_dir, long_request, tmp_path):
