@@ -75,7 +75,7 @@ def _reference(source, name) -> ReferenceAudio:
             source.seek(0)
         samples, rate = soundfile.read(source, dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # unknown, corrupt, truncated
-        why = str(e).strip() or type(e).__name__
+        why = (str(e).strip() or type(e).__name__).replace(f"Error opening {source!r}: ", "")  # an upload's repr
         if "does not exist" in why:  # libsndfile's words for a file that exists but no decoder accepts (a bad mp3)
             why = "corrupt, or not a format libsndfile decodes"
         raise HiggsError(f"{name}: cannot read audio ({why})") from None

@@ -372,6 +372,7 @@ def check_bad(status: int, payload: dict, expected_status: int, param) -> None:
     assert status == expected_status, payload
     error = payload["error"]
     assert error["param"] == param and error["message"] and error["type"] and error["code"], payload
+    assert " object at 0x" not in error["message"], payload  # no Python repr leaks into what a client reads
 
 
 @pytest.mark.parametrize("case", range(len(BAD)))
