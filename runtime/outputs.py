@@ -97,8 +97,9 @@ def _probe(path: Path, directory: Path, target: Path, kind: str) -> None:
         raise HiggsError(f"{path}: cannot be written in {directory} ({e.strerror or e})") from None
 
 
-def output_file(path: Path, inputs=()) -> Path:
-    """Check that `path` may be written as a file (see the module's rule); returns the path to write."""
+def output_file(path: Path, inputs=(), probe: bool = True) -> Path:
+    """Check that `path` may be written as a file (see the module's rule); returns the path to write. `probe`:
+    try creating an entry beside it (callers about to create their temp file there anyway skip it)."""
     target = _resolve(path)
     _check_inputs(path, target, inputs, directory=False)
     _check_model_dirs(path, target)
@@ -109,7 +110,8 @@ def output_file(path: Path, inputs=()) -> Path:
         mode = target.stat().st_mode
         if not stat.S_ISREG(mode):
             raise HiggsError(f"{path}: is {_what_is(mode)}, not a file; refusing to replace it")
-    _probe(path, target.parent, target, "partial")
+    if probe:
+        _probe(path, target.parent, target, "partial")
     return target
 
 
@@ -216,12 +218,12 @@ def _beside(target: Path, kind: str) -> str:
 
 def partial_file(path: Path, inputs=()) -> tuple[Path, Path]:
     """(target, an empty temp file beside it) for a file written over time; `commit` puts it in place."""
-    target = output_file(path, inputs)
+    target = output_file(path, inputs, probe=False)  # the temp file below is the probe
     remove_stale(target)
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_beside(target, "partial"))
     except OSError as e:
-        raise HiggsError(f"{path}: cannot be written ({e.strerror or e})") from None
+        raise HiggsError(f"{path}: cannot be written in {target.parent} ({e.strerror or e})") from None
     os.close(fd)
     return target, Path(tmp)
 
@@ -229,7 +231,7 @@ def partial_file(path: Path, inputs=()) -> tuple[Path, Path]:
 def commit(tmp: Path, path: Path, inputs=()) -> None:
     """Rename a finished temp file over its target, the rule checked again (the path may have changed meanwhile)."""
     try:
-        target = output_file(path, inputs)
+        target = output_file(path, inputs, probe=False)  # the rename below fails where a probe would
         os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
         os.replace(tmp, target)
     except OSError as e:
