@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .errors import HiggsError
+from .jsonfile import read_json
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -92,12 +93,11 @@ class EngineDir:
     def __init__(self, path: Path):
         self.path = Path(path)
         file = self.path / MANIFEST
-        try:
-            self.manifest = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise HiggsError(f"{self.path}: not an engine directory (no {MANIFEST}); create one with `higgs-trt export`") from None
-        except (OSError, ValueError, RecursionError) as e:
-            raise HiggsError(f"{file}: unreadable ({type(e).__name__ if isinstance(e, RecursionError) else e})") from None
+        if self.path.is_dir() and not file.exists():
+            raise HiggsError(f"{self.path}: not an engine directory (no {MANIFEST}); create one with `higgs-trt export`")
+        if not self.path.exists():
+            raise HiggsError(f"{self.path}: not an engine directory (it does not exist); create one with `higgs-trt export`")
+        self.manifest = read_json(file)  # strictly, as every JSON file a user hands us
         m = self.manifest
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise HiggsError(f"{file}: format {m.get('format') if isinstance(m, dict) else None!r} is not {FORMAT}; re-export")

@@ -389,7 +389,10 @@ ENGINE = [
     Case("manifest-not-json", lambda w: w.run_ort(w.engine_file(MANIFEST, "{")), "manifest.json: unreadable"),
     Case("manifest-a-list", lambda w: w.run_ort(w.engine_file(MANIFEST, "[]")), "format None is not 1"),
     Case("manifest-nested-too-deeply", lambda w: w.run_ort(w.engine_file(MANIFEST, "[" * 100_000 + "]" * 100_000)),
-         "manifest.json: unreadable (RecursionError)"),
+         "manifest.json: unreadable: JSON nested too deeply"),
+    # json.loads kept the last of two equal keys, so the seal still matched
+    Case("manifest-key-twice", lambda w: w.run_ort(w.engine_file(MANIFEST, (w.engine / MANIFEST).read_text().replace(
+        "{", '{"format": 1, ', 1))), "manifest.json: unreadable: not valid JSON (key 'format' appears twice)"),
     Case("resealed-without-codec", lambda w: w.run_ort(w.manifest(lambda m, e: m.pop("codec"))),
          "no valid codec strides"),
     Case("manifest-format-2", lambda w: w.run_ort(w.manifest(lambda m, e: m.update(format=2))), "format 2 is not 1"),
