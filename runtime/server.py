@@ -389,8 +389,7 @@ class SpeechService:
             why = f"the engine failed: {self.engine.failure}" if self.engine.failure else "the engine is loading"
             raise ApiError(503, why, None, "not_ready", "server_error", {"Retry-After": "5"})
         if self.admitting >= self.engine.max_queue:
-            raise ApiError(429, f"{self.admitting} requests are being received; retry shortly", None, "queue_full",
-                           "rate_limit_error", {"Retry-After": "1"})
+            raise busy(f"{self.admitting} requests are being received")
         self.admitting += 1
         large = False
         try:
@@ -412,8 +411,7 @@ class SpeechService:
         try:
             self.engine.scheduler.submit(job)
         except QueueFull as e:
-            raise ApiError(429, f"{e}; retry shortly", None, "queue_full", "rate_limit_error",
-                           {"Retry-After": "1"}) from None
+            raise busy(str(e)) from None
         return job, stream, speech, len(prompt)
 
     async def _body(self, request: Request, deadline: float) -> tuple[bytes, bool]:
@@ -447,9 +445,7 @@ class SpeechService:
                         large = True
                         self.large_bodies += 1
                     else:
-                        refused = ApiError(429, f"{LARGE_BODIES_AT_ONCE} requests with reference audio are being "
-                                           "received; retry shortly", None, "queue_full", "rate_limit_error",
-                                           {"Retry-After": "1"})
+                        refused = busy(f"{LARGE_BODIES_AT_ONCE} requests with reference audio are being received")
                 if size <= self.max_body and refused is None:
                     parts.append(part)
                 else:
@@ -571,6 +567,11 @@ def create_app(service: SpeechService) -> Starlette:
               Route("/v1/models", service.models), Route("/v1/audio/voices", service.voice_names),
               Route("/health", service.health), Route("/metrics", service.metrics_text)]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+
+
+def busy(why: str) -> ApiError:
+    """429: no room for the request now (Retry-After: 1)."""
+    return ApiError(429, f"{why}; retry shortly", None, "queue_full", "rate_limit_error", {"Retry-After": "1"})
 
 
 def header_deadline_protocol(seconds: float):
