@@ -29,6 +29,7 @@ import json
 import logging
 import queue
 import re
+import resource
 import signal
 import socket
 import sys
@@ -72,6 +73,10 @@ LARGE_BODIES_AT_ONCE = 8
 # out idle keep-alive connections, but not a client that stalls before its first request: it would hold a
 # descriptor for ever).
 HEADER_SECONDS = 10.0
+# Every connection is a file descriptor. Past (the open-file limit − this) connections, a new one is answered 503 and
+# closed at once, so a flood of clients cannot take the descriptors the engine, the logs and reference files need;
+# this many also covers one event-loop tick's accepts.
+DESCRIPTORS_KEPT = 128
 WARMUP_TEXT = "Hello."
 # The engine thread lets go of the GIL at every kernel launch, graph replay and event wait and must win it back from
 # the event loop's thread each time, which under the interpreter's default switch interval (5 ms) can hold it that
@@ -574,21 +579,63 @@ def busy(why: str) -> ApiError:
     return ApiError(429, f"{why}; retry shortly", None, "queue_full", "rate_limit_error", {"Retry-After": "1"})
 
 
-def header_deadline_protocol(seconds: float):
-    """uvicorn's h11 protocol, closing a connection whose first request line and headers have not arrived within
-    `seconds` (uvicorn's own timeout covers only idle keep-alive connections)."""
+def raise_open_file_limit() -> int:
+    """The soft limit on open files raised to the hard one (each connection takes one), at most 2**20; the limit
+    in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError):
+            pass
+    return want if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_protocol(header_seconds: float, max_connections: int):
+    """uvicorn's h11 protocol, (a) closing a connection whose first request line and headers have not arrived within
+    `header_seconds` (uvicorn's own timeout covers only idle keep-alive connections), (b) answering 503 and closing
+    any connection past `max_connections` open at once."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderDeadline(H11Protocol):
+    error = ApiError(503, f"the server has {max_connections} connections open; retry shortly", None,
+                     "too_many_connections", "server_error")
+    content = json.dumps(error.body()).encode()
+    overloaded = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(content), content))
+
+    class Connection(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.loop.call_later(seconds, self._drop_before_first_request)
+            if len(self.connections) > max_connections:
+                transport.write(overloaded)
+                transport.close()
+                return
+            self.loop.call_later(header_seconds, self._drop_before_first_request)
 
         def _drop_before_first_request(self) -> None:
             if self.cycle is None and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderDeadline
+    return Connection
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop, limit: int) -> None:
+    """Out of descriptors anyway (a burst of connections inside one tick), asyncio logs each failed accept with a
+    traceback, thousands a second while it lasts: one warning line every 10 s instead."""
+    last = -float("inf")
+
+    def handler(loop, context: dict) -> None:
+        nonlocal last
+        if context.get("message") != "socket.accept() out of system resource":
+            loop.default_exception_handler(context)
+        elif loop.time() - last >= 10:
+            last = loop.time()
+            log.warning("cannot accept connections: %s (open-file limit %d); retrying every second",
+                        context.get("exception"), limit)
+
+    loop.set_exception_handler(handler)
 
 
 def serve(service: SpeechService, host: str, port: int) -> None:
@@ -596,6 +643,10 @@ def serve(service: SpeechService, host: str, port: int) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            quiet_accept_errors(asyncio.get_running_loop(), limit)
+            await super().startup(sockets)
+
         def handle_exit(self, sig, frame):
             service.draining = True  # new requests get 503 until the listening socket is closed
             super().handle_exit(sig, frame)
@@ -608,9 +659,11 @@ def serve(service: SpeechService, host: str, port: int) -> None:
     except OSError as e:
         sock.close()
         raise HiggsError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    limit = raise_open_file_limit()
+    protocol = connection_protocol(min(HEADER_SECONDS, service.timeout), max(limit - DESCRIPTORS_KEPT, limit // 2))
     # In-flight requests end by their own --timeout; the grace period only adds time for the last bytes to go out.
-    config = uvicorn.Config(create_app(service), http=header_deadline_protocol(min(HEADER_SECONDS, service.timeout)),
-                            timeout_graceful_shutdown=service.timeout + 5, log_level="info")
+    config = uvicorn.Config(create_app(service), http=protocol, timeout_graceful_shutdown=service.timeout + 5,
+                            log_level="info")
     log.info("listening on http://%s:%d (/health turns 200 once the engine is loaded and warmed)", host,
              sock.getsockname()[1])
     server = Server(config)
