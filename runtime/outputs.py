@@ -139,8 +139,11 @@ def output_dir(path: Path, what: str, foreign: Callable[[Path], str | None], inp
 
 
 # Files an engine directory holds besides those its manifest lists: the build's timing cache and plans (listed
-# once the build's manifest is written), and the hidden temp files of an interrupted write.
-ENGINE_EXTRAS = re.compile(r"timing\.cache|lm\.plan|codec\.plan|\..+\.(tmp|for-tensorrt\.onnx)")
+# once the build's manifest is written), and the temp files an interrupted build or manifest write leaves, by their
+# exact names (builder/trt_build.py, manifest.py): any other file, hidden or not, is the user's.
+PLAN_NAMES = r"(lm|codec|codec_encoder)\.plan"
+ENGINE_EXTRAS = re.compile(rf"timing\.cache|{PLAN_NAMES}|\.{PLAN_NAMES}\.tmp|\.manifest\.json\.tmp"
+                           r"|\.lm(\.[\w-]+)*\.for-tensorrt\.onnx")
 
 
 def output_engine_dir(path: Path, inputs=()) -> Path:

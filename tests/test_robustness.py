@@ -255,9 +255,9 @@ def _loop(w: World) -> Path:
     return w.tmp / "loop1"
 
 
-def _engine_with_notes(w: World) -> Path:
+def _engine_with_notes(w: World, name: str = "notes.txt") -> Path:
     e = w.engine_copy()
-    (e / "notes.txt").write_text("mine\n")
+    (e / name).write_text("mine\n")
     return e
 
 
@@ -559,6 +559,9 @@ OUTPUTS = [
          "contains"),
     Case("export-over-an-engine-with-notes", lambda w: ["export", "--checkpoint", w.ckpt, "--out", _engine_with_notes(w)],
          "holds files an engine directory does not (notes.txt)"),
+    Case("export-over-an-engine-with-hidden-notes", lambda w: ["export", "--checkpoint", w.ckpt, "--out",
+                                                               _engine_with_notes(w, ".my-notes.tmp")],
+         "holds files an engine directory does not (.my-notes.tmp)"),
     Case("export-over-a-file", lambda w: ["export", "--checkpoint", w.ckpt, "--out",
                                           _file(w)], "is a file, not an engine"),
     Case("export-over-a-fifo", lambda w: ["export", "--checkpoint", w.ckpt, "--out", _mkfifo(w)], "is a fifo"),
