@@ -13,7 +13,10 @@ import zlib
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
+
+from higgs_trt.runtime.errors import HiggsError
 
 from .codec import PREFIX as CODEC
 
@@ -219,8 +222,11 @@ def write_random_checkpoint(out: Path, seed: int = 0, shards: int = 2, size: str
 
     out = Path(out)
     target = output_dir(out, "a random checkpoint", _not_a_random_checkpoint)
-    with staged_dir(target) as staging:
-        _write(staging, seed, shards, size)
+    try:
+        with staged_dir(target) as staging:
+            _write(staging, seed, shards, size)
+    except SafetensorError as e:  # the safetensors writer's I/O errors (a full disk) come as this, not as OSError
+        raise HiggsError(f"{out}: cannot be written ({e})") from None
     return out
 
 

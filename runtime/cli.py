@@ -1,5 +1,6 @@
 """`higgs-trt`: the command line. Stage commands import their heavy dependencies only when they run."""
 
+import io
 import time
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,17 @@ def main():
 
 def say(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def npy_writer(array: np.ndarray):
+    """write_file's writer of `array` as an .npy file. Through a buffer: np.save into a file writes small arrays
+    with C stdio and misses its failed flush, so a full disk left a truncated file reported as written."""
+    def write(tmp: Path) -> None:
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        tmp.write_bytes(buffer.getbuffer())
+
+    return write
 
 
 def given(ctx: click.Context) -> set[str]:
@@ -194,11 +206,7 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, codec_pr
         f"{u.stop_reason}); {first}{wall:.2f} s in all, real-time factor {wall / max(seconds, 1e-9):.3f}")
 
     if codes_out is not None:
-        def save_codes(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                np.save(f, u.frames())
-
-        write_file(codes_out, save_codes, inputs)
+        write_file(codes_out, npy_writer(u.frames()), inputs)
     if sink:
         sink.close()
         clipped = sink.clipped
@@ -316,12 +324,7 @@ def encode_audio(ctx, audio, out, engine, checkpoint, backend, device):
     output_file(out, inputs)
     sources = open_sources(choose_backend(backend, engine, checkpoint, device, given(ctx)), engine, checkpoint, None, None)
     codes, done = _reference_codes(audio, sources, device)
-
-    def save(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            np.save(f, codes)
-
-    write_file(out, save, inputs)
+    write_file(out, npy_writer(codes), inputs)
     say(f"{done}; wrote {out}")
 
 

@@ -11,7 +11,8 @@
   access() says yes to root everywhere (/proc included) and a name may be too long only with our temp suffix.
 - Symlinks are followed: the rule applies to the path the link names, which is what gets replaced (the link
   stays a link); a link that names nothing is refused.
-Anything else (a directory where a file goes, a device, a fifo, a socket) is refused with one line naming it.
+Anything else (a directory where a file goes, a device, a fifo, a socket, a mount point where a directory goes: it
+cannot be renamed) is refused with one line naming it.
 
 Nothing is ever partial under its final name: a file is written beside its target as
 `.NAME.higgs-trt-partial.PID.RANDOM` and renamed over it; a directory is built in
@@ -19,6 +20,7 @@ Nothing is ever partial under its final name: a file is written beside its targe
 Such names left by a killed process (its PID gone) are removed by the next write of the same NAME.
 """
 
+import errno
 import os
 import re
 import shutil
@@ -31,6 +33,7 @@ from typing import Callable
 from .errors import HiggsError
 
 TAG = "higgs-trt"
+WRITE_FAILURES = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a full disk, a file-size limit, a quota
 KINDS = ("partial", "staging", "old")
 LIST_LIMIT = 5
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # builder/checkpoint.py's two layouts
@@ -127,6 +130,8 @@ def output_dir(path: Path, what: str, foreign: Callable[[Path], str | None], inp
         mode = target.stat().st_mode
         if not stat.S_ISDIR(mode):
             raise HiggsError(f"{path}: is {_what_is(mode)}, not {what}; refusing to replace it")
+        if os.path.ismount(target):  # it is replaced by a rename, which a mount point refuses (EBUSY)
+            raise HiggsError(f"{path}: is a mount point, which cannot be replaced; give a directory inside it")
         reason = foreign(target) if any(target.iterdir()) else None
         if reason:
             raise HiggsError(f"{path}: {reason}, so it is not {what} this command may replace; "
@@ -276,6 +281,12 @@ def staged_dir(target: Path):
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield staging
         _publish(staging, target)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(made)
+        if e.errno in WRITE_FAILURES:
+            raise HiggsError(f"{target}: cannot be written ({e.strerror or e})") from None
+        raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty(made)

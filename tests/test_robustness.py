@@ -10,6 +10,7 @@ removed by the next one, greedy runs byte-identical, sampled runs all terminatin
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -669,6 +670,47 @@ def test_streaming_to_a_stdout_that_fails_is_one_line(tiny_engine, stdout, messa
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert r.returncode == 1 and errors == [f"Error: {message}"], r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["tiny-checkpoint", "export", "encode-audio"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(command, tiny_ckpt, tiny_engine, tmp_path):
+    """A file-size limit stands in for a full disk (write and close fail the same way): one Error line naming the
+    output, nothing under its name, no litter beside it. Before: tracebacks from tiny-checkpoint (the safetensors
+    writer's own error) and export, and encode-audio reported a truncated .npy as written (np.save's missed flush)."""
+    import soundfile
+
+    ref, out = tmp_path / "ref.wav", tmp_path / "out"
+    soundfile.write(ref, np.random.default_rng(0).uniform(-0.5, 0.5, 3 * 24000), 24000, subtype="PCM_16")
+    argv, limit = {"tiny-checkpoint": (["tiny-checkpoint", out], 100 << 10),  # past tokenizer.json: a shard fails
+                   "export": (["export", "--checkpoint", tiny_ckpt, "--out", out], 100 << 10),
+                   "encode-audio": (["encode-audio", "--engine", tiny_engine, "--audio", ref, "--out", out], 1024),
+                   }[command]
+    r = subprocess.run([sys.executable, "-m", "higgs_trt.runtime.cli", *map(str, argv)], capture_output=True,
+                       text=True, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{out}" in errors[0] or "cannot write" in errors[0], errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.wav"]
+
+
+@pytest.mark.parametrize("command", ["tiny-checkpoint", "export"])
+def test_an_empty_mount_point_as_out_is_refused_before_any_work(command, tiny_ckpt, tmp_path):
+    """An output directory is swapped in by a rename, which a mount point refuses: before, the whole export ran, then
+    a traceback (EBUSY) and an empty .NAME.higgs-trt-old.* directory were left. A real tmpfs mount: needs root."""
+    out = tmp_path / "volume"
+    out.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(out)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        argv = ["tiny-checkpoint", out] if command == "tiny-checkpoint" else ["export", "--checkpoint", tiny_ckpt,
+                                                                             "--out", out]
+        code, stderr = higgs(*argv)
+        errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+        assert code == 1 and errors == [f"Error: {out}: is a mount point, which cannot be replaced; give a directory "
+                                        "inside it"], stderr
+        assert not any(out.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["volume"]
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
 
 
 # ---- outputs: replaced only when they are what the command makes ---------------------------------------------------
