@@ -9,6 +9,7 @@ import click
 import numpy as np
 
 from .errors import HiggsError
+from .outputs import remember_interrupts
 
 PRECISION_HELP = ("With --engine: refuse an engine of another precision. With --checkpoint on a GPU (torch): bf16 "
                   "(default), or fp8 with scales calibrated at start-up on the built-in prompt set.")
@@ -22,6 +23,7 @@ class Cli(click.Group):
     """Turns HiggsError into a one-line `Error: ...` and exit code 1, never a traceback."""
 
     def invoke(self, ctx):
+        remember_interrupts()
         try:
             return super().invoke(ctx)
         except HiggsError as e:

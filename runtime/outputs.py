@@ -24,8 +24,10 @@ import errno
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -220,6 +222,31 @@ def remove_stale(target: Path) -> list[Path]:
     return removed
 
 
+_interrupted = False
+
+
+def remember_interrupts() -> None:
+    """From now on SIGINT raises KeyboardInterrupt as Python's handler does, and is remembered until the next call:
+    one raised inside code whose exceptions Python only prints (a weakref callback, a __del__) let an export go on to
+    put its output in place and exit 0. Nothing is put in place after a remembered interrupt."""
+    global _interrupted
+    _interrupted = False
+
+    def handler(signum, frame):
+        global _interrupted
+        _interrupted = True
+        signal.default_int_handler(signum, frame)
+
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, handler)
+
+
+def _unless_interrupted() -> None:
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
 def _beside(target: Path, kind: str) -> str:
     return f".{target.name}.{TAG}-{kind}.{os.getpid()}."
 
@@ -240,6 +267,7 @@ def commit(tmp: Path, path: Path, inputs=()) -> None:
     """Rename a finished temp file over its target, the rule checked again (the path may have changed meanwhile)."""
     try:
         target = output_file(path, inputs, probe=False)  # the rename below fails where a probe would
+        _unless_interrupted()
         os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
         os.replace(tmp, target)
     except OSError as e:
@@ -280,6 +308,7 @@ def staged_dir(target: Path):
     try:
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield staging
+        _unless_interrupted()
         _publish(staging, target)
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)

@@ -713,6 +713,36 @@ def test_an_empty_mount_point_as_out_is_refused_before_any_work(command, tiny_ck
         subprocess.run(["umount", str(out)], check=True)
 
 
+def test_an_interrupt_that_python_only_prints_still_stops_the_output(tmp_path):
+    """Ctrl-C landing inside a __del__ or a weakref callback: Python prints that KeyboardInterrupt and goes on (an
+    export then put its output in place and exited 0); remembered, it stops the directory and the file from being
+    put in place. Here the interrupt is sent from inside a __del__, where it is raised and only printed."""
+    code = """
+import os, signal, sys
+from pathlib import Path
+from higgs_trt.runtime import outputs
+
+class Interrupting:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the handler runs here and its KeyboardInterrupt is printed, not raised
+
+outputs.remember_interrupts()
+try:
+    with outputs.staged_dir(Path(sys.argv[1]) / "directory") as staging:
+        (staging / "file").write_text("x")
+        Interrupting()
+except KeyboardInterrupt:
+    try:
+        outputs.write_file(Path(sys.argv[1]) / "file", lambda tmp: tmp.write_text("x"))
+    except KeyboardInterrupt:
+        sys.exit(130)
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 130 and "KeyboardInterrupt" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- outputs: replaced only when they are what the command makes ---------------------------------------------------
 
 def test_an_existing_file_and_a_symlinked_file_are_replaced(tiny_engine, tmp_path):
