@@ -56,6 +56,10 @@ class OrtBackend:
         io = engine.graph(graph)
         self.cache_names = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
         cache_shape = next(t["shape"] for t in io["inputs"] if t["name"].startswith("past_"))[1:]
+        rows = next(t.shape[2] for t in self.lm_session.get_inputs() if t.name.startswith("past_"))
+        if rows != self.max_seq:  # a resealed manifest's limits: the graph's caches and RoPE table are fixed
+            raise HiggsError(f"{engine.file(graph)}: its caches hold {rows} positions, but the manifest's max_seq is "
+                             f"{self.max_seq}")
         self.caches = [np.zeros((self.max_batch, *cache_shape), np.float32) for _ in self.cache_names]
         self.binding = self.lm_session.io_binding()
 

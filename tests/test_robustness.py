@@ -406,6 +406,8 @@ ENGINE = [
     Case("resealed-without-limits", lambda w: w.run_ort(w.manifest(lambda m, e: m.pop("limits"))), "no valid limits"),
     Case("resealed-limits-as-strings", lambda w: w.run_ort(w.manifest(lambda m, e: m["limits"].update(max_seq="160"))),
          "no valid limits"),
+    Case("resealed-longer-max-seq", lambda w: w.run_ort(w.manifest(lambda m, e: m["limits"].update(
+        max_seq=m["limits"]["max_seq"] * 4)), text="word " * 60), "but the manifest's max_seq is"),
     Case("resealed-file-outside", lambda w: w.run_ort(w.manifest(
         lambda m, e: m["files"].update({"../etc.txt": {"bytes": 1, "sha256": "0"}}))), "outside its directory: ../etc.txt"),
     Case("resealed-files-a-list", lambda w: w.run_ort(w.manifest(lambda m, e: m.update(files=[]))), "no file list"),
