@@ -485,16 +485,18 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
               show_default=True)
 @click.option("--voice", default="default", show_default=True)
 @click.option("--wait", type=float, default=600.0, show_default=True,
-              help="Seconds to wait for the server's /health to turn 200 before measuring.")
+              help="Seconds (0 to 86400) to wait for the server's /health to turn 200 before measuring.")
 def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
     """A running server measured at the client: streamed pcm over HTTP, audio-s/s and time to first audio p50/p95
     per concurrency level (from sending the request to the first audio byte), underruns."""
     from . import extras
-    from .options import sizes, within
+    from .options import seconds_within, server_url, sizes, within
 
+    url = server_url("--url", url)
     levels = sizes("--concurrency", concurrency, 4096)
     within("--requests", requests, 0, 100_000)
     within("--max-new-tokens", max_new_tokens, 8, 2048)
+    seconds_within("--wait", wait, 0, 86400)
     with extras.needed("serve", "bench serve"):
         from .bench_serve import run_bench_serve
     run_bench_serve(url, levels, requests, max_new_tokens, text, voice, wait, say=say, echo=click.echo)
@@ -502,15 +504,18 @@ def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
 
 @bench.command("encode")
 @encoder_source
-@click.option("--seconds", type=click.FloatRange(1, 30), default=10.0, show_default=True, help="Reference length.")
+@click.option("--seconds", type=float, default=10.0, show_default=True, help="Reference length (1 to 30).")
 @click.option("--repeats", type=click.IntRange(1), default=5, show_default=True, help="Timed encodes (median shown).")
 @click.pass_context
 def bench_encode(ctx, engine, checkpoint, backend, device, seconds, repeats):
     """Time encoding a reference: reading + resampling a 44.1 kHz stereo wav, then the codec encoder alone."""
     from . import extras
+    from .audio import MAX_SECONDS, MIN_SECONDS
     from .bench_encode import run_encode_bench
     from .engines import choose_backend, open_encoder, open_sources
+    from .options import seconds_within
 
+    seconds_within("--seconds", seconds, MIN_SECONDS, MAX_SECONDS)
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
     encoder = open_encoder(open_sources(name, engine, checkpoint, None, None), device)
     with extras.needed("audio", "bench encode"):

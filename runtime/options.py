@@ -42,6 +42,27 @@ def within(option: str, value: int, low: int, high: int, why: str = "") -> int:
     return value
 
 
+def seconds_within(option: str, value: float, low: float, high: float) -> float:
+    """A number of seconds in low..high, refused otherwise (NaN and the infinities included)."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise HiggsError(f"{option} must lie in {low:g}..{high:g} seconds, got {value}")
+    return value
+
+
+def server_url(option: str, url: str) -> str:
+    """An http(s)://host[:port] address, refused otherwise."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises past 65535
+    except ValueError as e:
+        raise HiggsError(f"{option} {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or parts.path not in ("", "/"):
+        raise HiggsError(f"{option} must be a server's address, http(s)://HOST[:PORT] and no path, got {url!r}")
+    return url.rstrip("/")
+
+
 def sizes(option: str, text: str, high: int) -> list[int]:
     """Comma-separated integers in 1..high (batch sizes, concurrency levels)."""
     try:
