@@ -35,6 +35,7 @@ MIN_SECONDS, MAX_SECONDS = 1.0, 30.0
 MAX_CHANNELS = 2
 MIN_RATE = 8000  # telephone speech; below it a recording holds no voice to clone
 SILENCE = 1e-3  # peak below −60 dBFS: nothing for the encoder to clone
+LOUDEST = 100.0  # float samples are nominally within ±1; past ±100 (40 dB over full scale) a file is not audio
 RESAMPLE_QUALITY = "HQ"
 CACHE_SIZE = 32
 
@@ -82,6 +83,9 @@ def _reference(source, name) -> ReferenceAudio:
     _check_shape(name, samples.shape[1], samples.shape[0], rate)
     if not np.isfinite(samples).all():
         raise HiggsError(f"{name}: contains NaN or infinite samples")
+    if np.abs(samples).max() > LOUDEST:  # float files only; the sum of two channels near float32's top overflows
+        raise HiggsError(f"{name}: has samples up to {np.abs(samples).max():.3g}, beyond ±{LOUDEST:g} (float audio "
+                         "lies within ±1)")
     mono = samples.mean(axis=1, dtype=np.float32)
     if np.abs(mono).max() < SILENCE:
         raise HiggsError(f"{name}: is silent (peak below −60 dBFS)")

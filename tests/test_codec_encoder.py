@@ -198,6 +198,8 @@ BAD_AUDIO = [
     ("silent", lambda p: write(p, np.zeros((FILE_RATE * 2, 2), np.float32)), "is silent"),
     ("nan", lambda p: write(p, np.where(np.arange(FILE_RATE * 2)[:, None] == 999, np.nan, voice(2.0)), subtype="FLOAT"),
      "NaN"),
+    ("float32's top", lambda p: write(p, np.full((FILE_RATE * 2, 2), 3e38, np.float32), subtype="FLOAT"),
+     "beyond ±100"),  # the channels' sum overflowed to inf: all-zero codes before
     ("3 channels", lambda p: write(p, np.concatenate([voice(2.0), voice(2.0)[:, :1]], axis=1)), "3 channels"),
     ("4 kHz", lambda p: write(p, voice(2.0)[::11], rate=4000), "sampled at 4000 Hz"),
     ("noise as mp3", lambda p: write_bytes(p.with_suffix(".mp3"), np.random.default_rng(0).bytes(50_000)),

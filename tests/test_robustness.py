@@ -408,6 +408,8 @@ ENGINE = [
          "no valid limits"),
     Case("resealed-longer-max-seq", lambda w: w.run_ort(w.manifest(lambda m, e: m["limits"].update(
         max_seq=m["limits"]["max_seq"] * 4)), text="word " * 60), "but the manifest's max_seq is"),
+    Case("resealed-nan-weights", lambda w: w.run_ort(w.manifest(lambda m, e: _resealed_file(
+        m, e, "weights.bin", b"\xff" * (e / "weights.bin").stat().st_size))), "the decoded audio holds NaN"),
     Case("resealed-file-outside", lambda w: w.run_ort(w.manifest(
         lambda m, e: m["files"].update({"../etc.txt": {"bytes": 1, "sha256": "0"}}))), "outside its directory: ../etc.txt"),
     Case("resealed-files-a-list", lambda w: w.run_ort(w.manifest(lambda m, e: m.update(files=[]))), "no file list"),
