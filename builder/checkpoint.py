@@ -139,9 +139,12 @@ class Checkpoint:
             if odd:
                 raise HiggsError(f"{index}: shard {odd[0]!r} is not a file name in {self.dir}")
             files = sorted({self.dir / f for f in weight_map.values()})
-            missing = [f.name for f in files if not f.is_file()]
+            missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise HiggsError(f"{index}: shard(s) not found: {_names(missing)}")
+            odd = [f.name for f in files if not f.is_file()]
+            if odd:
+                raise HiggsError(f"{index}: shard(s) not regular files: {_names(odd)}")
             return files
         if (self.dir / SINGLE_FILE).is_file():
             return [self.dir / SINGLE_FILE]

@@ -53,7 +53,7 @@ def load_reference_audio(path: Path) -> ReferenceAudio:
     """Read, check, down-mix and resample a reference recording; every problem is one HiggsError."""
     path = Path(path)
     if not path.is_file():
-        raise HiggsError(f"{path}: reference audio not found")
+        raise HiggsError(f"{path}: reference audio {'is not a regular file' if path.exists() else 'not found'}")
     return _reference(str(path), path)
 
 

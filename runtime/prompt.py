@@ -115,6 +115,9 @@ class HiggsTokenizer:
 def load_reference_codes(path: Path) -> np.ndarray:
     """Reference audio codes [T, 8] (0..1023) from a .npy file."""
     try:
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":  # else np.load reads .npz archives, and calls other files pickles
+                raise HiggsError(f"{path}: not an .npy file (codes [T, 8] as numpy.save or encode-audio write them)")
         codes = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise HiggsError(f"{path}: cannot read reference codes ({e})") from None

@@ -87,16 +87,18 @@ class StreamPlan:
     chunk: int = 25
     first_right: int | None = None  # None: `right` (exact); smaller: earlier first audio, not exact
 
-    def __post_init__(self):
-        if min(self.first, self.chunk) < 1 or min(self.left, self.right) < 0:
-            raise HiggsError(f"stream sizes must be positive (first {self.first}, chunk {self.chunk}) and context "
-                             f"non-negative (left {self.left}, right {self.right})")
+    def __post_init__(self):  # the sizes come from the CLI's options, named here by them
+        for option, value, low in (("--first-chunk", self.first, 1), ("--chunk", self.chunk, 1),
+                                   ("--context", self.left, 0), ("--holdback", self.right, 0)):
+            if value < low:
+                raise HiggsError(f"{option} must be at least {low} frame{'s' * (low != 1)}, got {value}")
         if self.first_right is not None and not 0 <= self.first_right <= self.right:
-            raise HiggsError(f"first-chunk holdback {self.first_right} must lie in 0..{self.right}")
+            raise HiggsError(f"--first-holdback must lie in 0..{self.right} (the holdback), got {self.first_right}")
         widest = self.left + max(self.first, self.chunk) + self.right
         if widest > CODEC_MAX_FRAMES:
-            raise HiggsError(f"a codec window of {widest} frames (left {self.left} + chunk "
-                             f"{max(self.first, self.chunk)} + right {self.right}) exceeds {CODEC_MAX_FRAMES}")
+            raise HiggsError(f"a codec window of {widest} frames (--context {self.left} + chunk "
+                             f"{max(self.first, self.chunk)} + --holdback {self.right}) exceeds the codec's "
+                             f"{CODEC_MAX_FRAMES}-frame limit")
 
     @classmethod
     def exact(cls, strides: tuple[int, ...], first: int = 8, chunk: int = 25) -> "StreamPlan":

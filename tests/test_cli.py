@@ -173,7 +173,7 @@ def test_bench_stream_takes_the_window_sizes_of_run(tiny_engine):
               "--first-chunk", 2, "--chunk", 10)
     assert r.returncode == 0 and "first chunk 2 frames, then 10" in r.stderr, r.stderr
     r = higgs("bench", "stream", "--engine", tiny_engine, "--first-chunk", 0)
-    assert r.returncode == 1 and r.stderr.strip().startswith("Error: stream sizes must be positive"), r.stderr
+    assert r.returncode == 1 and r.stderr.strip().startswith("Error: --first-chunk must be at least 1 frame, got 0"), r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

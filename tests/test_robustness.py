@@ -273,6 +273,19 @@ def _ref(w: World, codes) -> Path:
     return w.tmp / "ref.npy"
 
 
+def _npz(w: World) -> Path:
+    np.savez(w.tmp / "ref.npz", codes=np.zeros((3, 8), np.int32))
+    return w.tmp / "ref.npz"
+
+
+def _shard_a_device(w: World) -> Path:
+    ck = w.ckpt_copy()
+    shard = next(ck.glob("model-00001-of-*.safetensors"))
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    return ck
+
+
 def _ref_claiming(w: World, shape) -> Path:
     """An .npy file whose header claims `shape` (int32) over 64 bytes of data."""
     path = w.tmp / "claims.npy"
@@ -357,6 +370,7 @@ CHECKPOINT = [
         lambda r: r["weight_map"].update({LM_TENSOR: "../x.safetensors"}))), "'../x.safetensors' is not a file name"),
     Case("index-shard-missing", lambda w: w.run_torch(w.index(
         lambda r: r["weight_map"].update({LM_TENSOR: "model-9.safetensors"}))), "shard(s) not found: model-9.safetensors"),
+    Case("shard-a-device", lambda w: w.run_torch(_shard_a_device(w)), "shard(s) not regular files: model-00001-of"),
     Case("nan-weight", lambda w: w.run_torch(w.tensors(_set_value(float("nan")))), f"tensor {LM_TENSOR} holds inf or NaN"),
     Case("inf-weight-f32", lambda w: w.run_torch(w.tensors(_set_value(float("inf"), torch.float32))),
          f"tensor {LM_TENSOR} holds inf or NaN"),
@@ -444,6 +458,11 @@ TEXT = [
          "cannot read reference codes"),
     Case("ref-codes-truncated", lambda w: w.run_ort(w.engine, "--ref-codes", _ref_claiming(w, (100, 8))),
          "cannot read reference codes"),
+    Case("ref-codes-text", lambda w: w.run_ort(w.engine, "--ref-codes", _file(w, "RIFF and more")),
+         "not an .npy file (codes [T, 8]"),  # numpy called it pickled data
+    Case("ref-codes-npz", lambda w: w.run_ort(w.engine, "--ref-codes", _npz(w)), "not an .npy file"),  # 'got [1]'
+    Case("ref-audio-a-device", lambda w: w.run_ort(w.engine, "--ref-audio", "/dev/zero"),
+         "/dev/zero: reference audio is not a regular file"),  # 'not found'
     Case("too-long-for-engine", lambda w: w.run_ort(w.engine, text="word " * 120), "the engine's prefill takes at most 96"),
     Case("reference-too-long-for-engine", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((200, 8), int))),
          "text and reference audio (207 rows) too long"),

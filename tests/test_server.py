@@ -635,8 +635,8 @@ def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tiny_ckpt, tm
             (["--engine", str(engine_dir), "--codec-precision", "tf32"], "--codec-precision applies to the GPU engine"),
             (["--checkpoint", str(tiny_ckpt), "--backend", "torch", "--device", "cpu", "--codec-precision", "fp16"],
              "the CPU reference decodes audio in fp32"),
-            (["--engine", str(engine_dir), "--first-chunk", "0"], "stream sizes must be positive"),
-            (["--engine", str(engine_dir), "--context", "500"], "exceeds"),
+            (["--engine", str(engine_dir), "--first-chunk", "0"], "--first-chunk must be at least 1 frame, got 0"),
+            (["--engine", str(engine_dir), "--context", "500"], "(--context 500 + chunk 25 + --holdback 10) exceeds the codec's 128-frame limit"),
             (["--engine", str(engine_dir), "--port", str(port)], "cannot listen"),
         ]
         for args, words in cases:

@@ -153,10 +153,12 @@ def test_an_utterance_ending_by_eoc_in_its_first_rows_streams_what_it_has(codec)
 
 
 def test_plan_bounds_are_refused():
-    with pytest.raises(HiggsError, match="positive"):
+    with pytest.raises(HiggsError, match="^--first-chunk must be at least 1 frame, got 0$"):
         StreamPlan(10, 10, first=0)
-    with pytest.raises(HiggsError, match="exceeds"):
+    with pytest.raises(HiggsError, match="^--context must be at least 0 frames, got -1$"):
+        StreamPlan(-1, 10)
+    with pytest.raises(HiggsError, match=r"\(--context 60 \+ chunk 25 \+ --holdback 60\) exceeds the codec's 128-frame"):
         StreamPlan(60, 60, chunk=25)
-    with pytest.raises(HiggsError, match="holdback"):
+    with pytest.raises(HiggsError, match=r"^--first-holdback must lie in 0\.\.10 \(the holdback\), got 11$"):
         StreamPlan(10, 10, first_right=11)
     assert StreamPlan(10, 10, chunk=CODEC_MAX_FRAMES - 20).chunk == CODEC_MAX_FRAMES - 20
