@@ -108,13 +108,12 @@ def output_file(path: Path, inputs=(), probe: bool = True) -> Path:
     target = _resolve(path)
     _check_inputs(path, target, inputs, directory=False)
     _check_model_dirs(path, target)
+    # `path`, not `target`: /dev/stdout names a pipe whose resolved name (/proc/PID/fd/pipe:[N]) is no path at all
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise HiggsError(f"{path}: is {_what_is(os.stat(path).st_mode)}, not a file; refusing to replace it")
     if not target.parent.is_dir():
         what = "is not a directory" if target.parent.exists() else "does not exist"
         raise HiggsError(f"{path}: {target.parent} {what}")
-    if os.path.lexists(target):
-        mode = target.stat().st_mode
-        if not stat.S_ISREG(mode):
-            raise HiggsError(f"{path}: is {_what_is(mode)}, not a file; refusing to replace it")
     if probe:
         _probe(path, target.parent, target, "partial")
     return target

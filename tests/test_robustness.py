@@ -704,6 +704,12 @@ def test_streaming_to_a_stdout_that_fails_is_one_line(tiny_engine, stdout, messa
     assert "Traceback" not in r.stderr
 
 
+def test_out_dev_stdout_into_a_pipe_is_named_a_fifo(tiny_engine):
+    """/dev/stdout resolves to /proc/PID/fd/pipe:[N], no path at all: 'cannot be written in /proc/PID/fd' before."""
+    code, stderr = higgs_subprocess("run", "--engine", tiny_engine, "--text", "Hi.", "--out", "/dev/stdout")
+    assert code == 1 and stderr.strip() == "Error: /dev/stdout: is a fifo, not a file; refusing to replace it", stderr
+
+
 @pytest.mark.parametrize("command", ["tiny-checkpoint", "export", "encode-audio"])
 def test_a_full_disk_is_one_line_and_leaves_nothing(command, tiny_ckpt, tiny_engine, tmp_path):
     """A file-size limit stands in for a full disk (write and close fail the same way): one Error line naming the
