@@ -765,6 +765,7 @@ class Interrupting:
         os.kill(os.getpid(), signal.SIGINT)
         sum(range(1000))  # the handler runs here and its KeyboardInterrupt is printed, not raised
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a job started in the background inherits SIGINT ignored
 outputs.remember_interrupts()
 try:
     with outputs.staged_dir(Path(sys.argv[1]) / "directory") as staging:
