@@ -8,6 +8,7 @@ the Higgs special tokens at ids unlike the real ones, so nothing can rely on har
 """
 
 import json
+import os
 import re
 import zlib
 from pathlib import Path
@@ -250,14 +251,21 @@ def _write(out: Path, seed: int, shards: int, size: str) -> None:
     shapes = _lm_shapes(cfg) | _codec_shapes(codec)
     names = sorted(shapes)
     if shards == 1:
-        save_file({n: _random(n, shapes[n], seed) for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        _save({n: _random(n, shapes[n], seed) for n in names}, out / "model.safetensors")
         return
     weight_map = {}
     for i in range(shards):  # one shard in memory at a time
         part = names[i::shards]
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: _random(n, shapes[n], seed) for n in part}, str(out / file), metadata={"format": "pt"})
+        _save({n: _random(n, shapes[n], seed) for n in part}, out / file)
         weight_map |= {n: file for n in part}
     total = sum(2 * int(torch.Size(s).numel()) for s in shapes.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save(tensors: dict, path: Path) -> None:
+    from higgs_trt.runtime.outputs import umask
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~umask())  # safetensors makes its file private (0600), unlike every other file here

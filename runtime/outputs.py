@@ -267,7 +267,7 @@ def commit(tmp: Path, path: Path, inputs=()) -> None:
     try:
         target = output_file(path, inputs, probe=False)  # the rename below fails where a probe would
         _unless_interrupted()
-        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~umask())
         os.replace(tmp, target)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
@@ -305,7 +305,7 @@ def staged_dir(target: Path):
         _remove_empty(made)
         raise HiggsError(f"{target}: cannot be written ({e.strerror or e})") from None
     try:
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
+        os.chmod(staging, 0o777 & ~umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield staging
         _unless_interrupted()
         _publish(staging, target)
@@ -330,7 +330,7 @@ def _remove_empty(made: list[Path]) -> None:
             break
 
 
-def _umask() -> int:
+def umask() -> int:
     """This process's umask (temp files are made private; what we publish gets the usual permissions)."""
     try:
         with open("/proc/self/status") as f:

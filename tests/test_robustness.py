@@ -785,7 +785,7 @@ except KeyboardInterrupt:
 # ---- outputs: replaced only when they are what the command makes ---------------------------------------------------
 
 def test_an_existing_file_and_a_symlinked_file_are_replaced(tiny_engine, tmp_path):
-    from higgs_trt.runtime.outputs import _umask
+    from higgs_trt.runtime.outputs import umask
 
     out, real, link, new = tmp_path / "out.wav", tmp_path / "real.wav", tmp_path / "link.wav", tmp_path / "new.wav"
     out.write_text("old")
@@ -798,7 +798,7 @@ def test_an_existing_file_and_a_symlinked_file_are_replaced(tiny_engine, tmp_pat
     assert all(p.read_bytes()[:4] == b"RIFF" for p in (out, real, new))
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert stat.S_IMODE(out.stat().st_mode) == 0o600  # a replaced file keeps its permissions
-    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~_umask()  # a new one gets the usual ones
+    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask()  # a new one gets the usual ones
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.wav", "new.wav", "out.wav", "real.wav"]
 
 
@@ -810,6 +810,10 @@ def test_tiny_checkpoint_replaces_its_own_output_also_through_a_symlink(tmp_path
         assert code == 0, stderr
     assert json.loads((out / "higgs-trt-random.json").read_text())["seed"] == 2
     assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "link"]
+    from higgs_trt.runtime.outputs import umask
+
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask()}, modes  # safetensors' own files were 0600
 
 
 def test_compare_save_replaces_an_earlier_save(tiny_engine, tiny_ckpt, tmp_path):
