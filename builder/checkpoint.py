@@ -142,9 +142,9 @@ class Checkpoint:
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise HiggsError(f"{index}: shard(s) not found: {_names(missing)}")
-            odd = [f.name for f in files if not f.is_file()]
-            if odd:
-                raise HiggsError(f"{index}: shard(s) not regular files: {_names(odd)}")
+            special = [f.name for f in files if not f.is_file()]  # a device, a fifo, a directory
+            if special:
+                raise HiggsError(f"{index}: shard(s) not regular files: {_names(special)}")
             return files
         if (self.dir / SINGLE_FILE).is_file():
             return [self.dir / SINGLE_FILE]

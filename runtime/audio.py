@@ -83,9 +83,9 @@ def _reference(source, name) -> ReferenceAudio:
     _check_shape(name, samples.shape[1], samples.shape[0], rate)
     if not np.isfinite(samples).all():
         raise HiggsError(f"{name}: contains NaN or infinite samples")
-    if np.abs(samples).max() > LOUDEST:  # float files only; the sum of two channels near float32's top overflows
-        raise HiggsError(f"{name}: has samples up to {np.abs(samples).max():.3g}, beyond ±{LOUDEST:g} (float audio "
-                         "lies within ±1)")
+    peak = np.abs(samples).max()
+    if peak > LOUDEST:  # float files only; the sum of two channels near float32's top overflows
+        raise HiggsError(f"{name}: has samples up to {peak:.3g}, beyond ±{LOUDEST:g} (float audio lies within ±1)")
     mono = samples.mean(axis=1, dtype=np.float32)
     if np.abs(mono).max() < SILENCE:
         raise HiggsError(f"{name}: is silent (peak below −60 dBFS)")

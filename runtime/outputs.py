@@ -309,15 +309,11 @@ def staged_dir(target: Path):
         yield staging
         _unless_interrupted()
         _publish(staging, target)
-    except OSError as e:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty(made)
-        if e.errno in WRITE_FAILURES:
+        if isinstance(e, OSError) and e.errno in WRITE_FAILURES:
             raise HiggsError(f"{target}: cannot be written ({e.strerror or e})") from None
-        raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty(made)
         raise
 
 

@@ -118,7 +118,8 @@ def load_reference_codes(path: Path) -> np.ndarray:
         with open(path, "rb") as f:
             if f.read(6) != b"\x93NUMPY":  # else np.load reads .npz archives, and calls other files pickles
                 raise HiggsError(f"{path}: not an .npy file (codes [T, 8] as numpy.save or encode-audio write them)")
-        codes = np.load(path, allow_pickle=False)
+            f.seek(0)
+            codes = np.load(f, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise HiggsError(f"{path}: cannot read reference codes ({e})") from None
     except MemoryError:  # a header that claims far more data than the file holds
