@@ -504,8 +504,12 @@ def test_connections_past_the_open_file_limit_get_503_and_the_server_goes_on(eng
     s = Server(engine_dir, tmp_path / "flood.log", open_files=256)
     try:
         flood = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(300)]
-        refused = [_answer(conn, 0.2) for conn in flood[-100:]]  # past 256 − 128 kept for the engine: cut at once
-        assert all(r.startswith(b"HTTP/1.1 503 ") and b"retry shortly" in r for r in refused), refused[0]
+        # Past 256 − 128 kept for the engine: answered and closed on accept. A burst can still run the process out
+        # of descriptors inside one tick (asyncio accepts a whole backlog before any is answered); those wait for
+        # asyncio's accept retry a second later, hence the long read timeout (each read ends at the server's close).
+        refused = [_answer(conn, 10) for conn in flood[-100:]]
+        wrong = [r for r in refused if not (r.startswith(b"HTTP/1.1 503 ") and b"retry shortly" in r)]
+        assert not wrong, (len(wrong), wrong[0])
         for conn in flood:
             conn.close()
         assert httpx.post(s.url + SPEECH, json=body(input=TEXT, max_new_tokens=10), timeout=60).status_code == 200
