@@ -35,12 +35,14 @@ def is_inline_tag(token: str) -> bool:
 
 
 def check_text(text, what: str = "text") -> str:
-    """Text as a user gave it, refused unless it is a non-empty str of valid Unicode without control characters
-    (argv bytes that are not UTF-8 arrive as lone surrogates and are refused here)."""
+    """Text as a user gave it, refused unless it is a str of valid Unicode with something visible and without control
+    characters (argv bytes that are not UTF-8 arrive as lone surrogates and are refused here)."""
     if not isinstance(text, str):
         raise HiggsError(f"{what} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise HiggsError(f"{what} is empty")
+    if all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text):  # zero-width spaces, joiners, BOMs
+        raise HiggsError(f"{what} has nothing to say: only invisible format characters and spaces")
     for i, ch in enumerate(text):
         kind = unicodedata.category(ch)
         if kind == "Cs":
