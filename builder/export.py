@@ -30,6 +30,7 @@ from higgs_trt.calibration.qdq import insert_qdq
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
 from higgs_trt.runtime.manifest import write_manifest
+from higgs_trt.runtime.options import DEFAULT_MAX_PROMPT, cache_length
 from higgs_trt.runtime.outputs import output_engine_dir, staged_dir
 from higgs_trt.runtime.streaming import receptive_field
 
@@ -227,12 +228,25 @@ def _check_weights_kept(model: ir.Model, expected: list[str]) -> None:
         raise RuntimeError(f"export folded checkpoint tensors away (would copy weights): {lost[:5]}")
 
 
-def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batch: int = 8, max_prompt: int = 512,
+def engine_limits(config, max_seq: int | None, max_batch: int, max_prompt: int | None) -> dict:
+    """The manifest's limits, checked; max_seq defaults to 2048 or the model's positions if fewer, max_prompt to 512
+    or half of max_seq if less."""
+    max_seq = cache_length(max_seq, config.max_position_embeddings)
+    max_prompt = min(DEFAULT_MAX_PROMPT, max_seq // 2) if max_prompt is None else max_prompt
+    if not 1 <= max_prompt < max_seq or not 1 <= max_batch <= MAX_BATCH:
+        raise HiggsError(f"need 1 ≤ --max-prompt < --max-seq and 1 ≤ --max-batch ≤ {MAX_BATCH} "
+                         f"(got {max_prompt}, {max_seq}, {max_batch})")
+    return {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt}
+
+
+def export_engine(checkpoint_dir: Path, out: Path, max_seq: int | None = None, max_batch: int = 8,
+                  max_prompt: int | None = None,
                   ops=NativeOps, say=print, precision: str = "bf16", calibration: Path | None = None,
                   gate: tuple[float, float] | None = None) -> Path:
     """Export every graph of an engine directory at `out` (built in a staging directory beside it, then swapped in
     whole; `out` may be new, empty or an engine directory: runtime/outputs.py).
 
+    Limits left None take their defaults (engine_limits).
     precision fp8 adds the FP8 Q/DQ graphs, with scales from `calibration` (a file from `higgs-trt calibrate`)
     or computed now from the built-in prompt set, and runs the accuracy gate (cosine, top-1 floors) on them.
     """
@@ -243,13 +257,9 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
 
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     target = output_engine_dir(out, inputs=(checkpoint_dir,))  # symlinks followed: the directory a link names
-    if not 1 <= max_prompt < max_seq or not 1 <= max_batch <= MAX_BATCH:
-        raise HiggsError(f"need 1 ≤ max-prompt < max-seq and 1 ≤ max-batch ≤ {MAX_BATCH} "
-                         f"(got {max_prompt}, {max_seq}, {max_batch})")
     ckpt = Checkpoint(checkpoint_dir)
-    if max_seq > ckpt.config.max_position_embeddings:
-        raise HiggsError(f"max-seq {max_seq} is beyond the model's max_position_embeddings "
-                         f"{ckpt.config.max_position_embeddings}")
+    limits = engine_limits(ckpt.config, max_seq, max_batch, max_prompt)
+    max_seq, max_prompt = limits["max_seq"], limits["max_prompt"]
     tokenizer = checkpoint_dir / "tokenizer.json"
     if not tokenizer.exists():
         raise HiggsError(f"{checkpoint_dir}: tokenizer.json not found")
@@ -274,7 +284,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int = 2048, max_batc
             "model": ckpt.config.to_dict(),
             "precision": precision,
             "ops": ops.name,
-            "limits": {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt},
+            "limits": limits,
             "codec": {"strides": list(codec_dims.strides), "receptive_field": list(receptive_field(codec_dims.strides))},
             "graphs": graphs,
             "weights": {"file": WEIGHTS, "tensors": weights_index},

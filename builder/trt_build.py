@@ -190,7 +190,7 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
     from higgs_trt.runtime.outputs import output_engine_dir, remove_stale
 
     from .checkpoint import Checkpoint
-    from .export import export_engine
+    from .export import engine_limits, export_engine
 
     output_engine_dir(out, inputs=(checkpoint,))  # new, empty or an engine directory: refused before any work
     remove_stale(out)  # what a killed export or build of `out` left beside it
@@ -200,7 +200,8 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
         datacenter_tensorrt()
     if lean and target:
         raise HiggsError("--lean makes plans for tensorrt_lean, which TensorRT-RTX plans cannot use; drop --target")
-    fingerprint = Checkpoint(checkpoint).fingerprint()
+    ckpt = Checkpoint(checkpoint)
+    fingerprint, limits = ckpt.fingerprint(), engine_limits(ckpt.config, **limits)
     engine = _reusable(out, fingerprint, limits, precision, calibration, ops)
     if engine is None:
         say(f"exporting {checkpoint} → {out}")

@@ -9,8 +9,10 @@ import click
 import numpy as np
 
 from .errors import HiggsError
+from .options import DEFAULT_MAX_PROMPT
 from .outputs import remember_interrupts
 
+MAX_SEQ_HELP = "KV-cache length (torch backend from a checkpoint) [default: 2048, or the model's positions if fewer]."
 PRECISION_HELP = ("With --engine: refuse an engine of another precision. With --checkpoint on a GPU (torch): bf16 "
                   "(default), or fp8 with scales calibrated at start-up on the built-in prompt set.")
 codec_precision_option = click.option(
@@ -64,7 +66,7 @@ def _engine(ctx: click.Context, backend, engine, checkpoint, device, precision, 
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
     sources = open_sources(name, engine, checkpoint, precision, max_seq)
     tokenizer = load_tokenizer(sources)
-    model = open_engine(sources, device=device, max_seq=max_seq, max_batch=max_batch, precision=precision,
+    model = open_engine(sources, device=device, max_batch=max_batch, precision=precision,
                         codec_precision=codec_precision, say=say)
     return sources, model, tokenizer
 
@@ -135,8 +137,7 @@ def stream_plan_options(command):
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed 0..2**63-1: same seed, same audio.")
 @click.option("--codes-out", type=click.Path(path_type=Path), help="Also save the final frames [T,8] (.npy).")
-@click.option("--max-seq", type=int, default=2048, show_default=True,
-              help="KV-cache length (torch backend from a checkpoint).")
+@click.option("--max-seq", type=int, help=MAX_SEQ_HELP)
 @click.option("--stream", is_flag=True, help="Write audio as it is decoded (time to first audio on stderr).")
 @stream_plan_options
 @click.pass_context
@@ -182,7 +183,7 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, codec_pr
     if ref_audio:
         ref, done = _reference_codes(ref_audio, sources, device)
         say(done)
-    model = open_engine(sources, device=device, max_seq=max_seq, precision=precision, codec_precision=codec_precision,
+    model = open_engine(sources, device=device, precision=precision, codec_precision=codec_precision,
                         say=say)
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
     prompt = build_prompt(tokenizer, text, ref, ref_text)
@@ -352,8 +353,8 @@ def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, 
     from .engines import load_tokenizer, open_sources
 
     sources = open_sources("torch", None, checkpoint, precision, max_seq)
-    ckpt = sources.checkpoint
-    model = load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(512, max_seq // 2),
+    ckpt, max_seq = sources.checkpoint, sources.max_seq
+    model = load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(DEFAULT_MAX_PROMPT, max_seq // 2),
                             act_amax=placeholder_amax(ckpt.config), codec_fp16=codec_precision != "tf32", say=say)
     return model, load_tokenizer(sources)
 
@@ -370,8 +371,7 @@ def bench_options(command):
         codec_precision_option,
         click.option("--text", default="The quick brown fox jumps over the lazy dog, twice, and then once more.",
                      show_default=True),
-        click.option("--max-seq", type=int, default=2048, show_default=True,
-                     help="KV-cache length (torch backend from a checkpoint)."),
+        click.option("--max-seq", type=int, help=MAX_SEQ_HELP),
         click.option("--rows", type=int, default=250, show_default=True,
                      help="Rows per request at most (random weights rarely emit EOC: this fixes the length)."),
         click.pass_context,

@@ -25,6 +25,7 @@ class Sources:
     backend: str
     engine: EngineDir | None
     checkpoint: object | None  # builder.checkpoint.Checkpoint (needs the builder extra)
+    max_seq: int | None = None  # the cache length of the torch backend from a checkpoint
 
 
 def choose_backend(name: str | None, engine: Path | None, checkpoint: Path | None, device: str,
@@ -45,22 +46,23 @@ def choose_backend(name: str | None, engine: Path | None, checkpoint: Path | Non
 
 def open_sources(backend: str, engine_dir: Path | None, checkpoint: Path | None, precision: str | None,
                  max_seq: int | None) -> Sources:
-    """The engine directory and checkpoint, verified and checked against each other; no weights are read yet."""
-    from .options import within
+    """The engine directory and checkpoint, verified and checked against each other; no weights are read yet.
+    `max_seq` None: the default cache length (options.cache_length)."""
+    from .options import cache_length
 
     engine = EngineDir(engine_dir) if engine_dir else None
     if engine and precision and engine.manifest["precision"] != precision:
         raise HiggsError(f"{engine_dir} holds {engine.manifest['precision']} engines, not {precision}")
-    ckpt = None
+    ckpt = cache = None
     if checkpoint:
         with extras.needed("builder", f"--checkpoint with --backend {backend}"):
             from higgs_trt.builder.checkpoint import Checkpoint
         ckpt = Checkpoint(checkpoint)
         if engine:
             engine.check_checkpoint(ckpt.fingerprint(), checkpoint)
-        elif backend == "torch" and max_seq is not None:
-            within("--max-seq", max_seq, 16, ckpt.config.max_position_embeddings, "the model's max_position_embeddings")
-    return Sources(backend, engine, ckpt)
+        else:
+            cache = cache_length(max_seq, ckpt.config.max_position_embeddings)
+    return Sources(backend, engine, ckpt, cache)
 
 
 def load_tokenizer(sources: Sources):
@@ -80,14 +82,14 @@ def check_prompt_fits(prompt, engine: EngineDir | None) -> None:
                          f"{limit} (its --max-prompt)")
 
 
-def open_engine(sources: Sources, *, device: str = "auto", max_seq: int = 2048, max_batch: int = 1,
+def open_engine(sources: Sources, *, device: str = "auto", max_batch: int = 1,
                 precision: str | None = None, codec_precision: str | None = None, say=lambda msg: None):
     """The slot engine the scheduler drives (runtime/scheduler.py). `codec_precision` (GPU engine only): fp16, the
     default, or tf32 convolutions in its codec (CodecDecoder.fp16)."""
     engine = sources.engine
     check_codec_precision(sources, device, codec_precision)
     if sources.backend == "torch":
-        return _torch(sources, device, max_seq, max_batch, precision, codec_precision != "tf32", say)
+        return _torch(sources, device, max_batch, precision, codec_precision != "tf32", say)
     if sources.backend == "trt":
         from .trt_backend import TrtBackend
 
@@ -129,14 +131,15 @@ def check_codec_precision(sources: Sources, device: str, codec_precision: str | 
                          "decodes audio in fp32")
 
 
-def _torch(sources: Sources, device: str, max_seq: int, max_batch: int, precision: str | None, codec_fp16: bool,
-           say):
-    engine, ckpt = sources.engine, sources.checkpoint
+def _torch(sources: Sources, device: str, max_batch: int, precision: str | None, codec_fp16: bool, say):
+    engine, ckpt, max_seq = sources.engine, sources.checkpoint, sources.max_seq
     if torch_on_cpu(sources, device, precision):
         from higgs_trt.builder.torch_backend import TorchBackend
 
         return HostStepper(TorchBackend(ckpt, max_seq=max_seq, max_batch=max_batch))
     from higgs_trt.builder.gpu_engine import load_gpu_engine
+
+    from .options import DEFAULT_MAX_PROMPT
 
     amax = None
     if engine is not None:
@@ -149,7 +152,7 @@ def _torch(sources: Sources, device: str, max_seq: int, max_batch: int, precisio
             calibration = engine.path / engine.manifest["calibration"]["file"]
             amax = load_calibration(calibration, engine.fingerprint)["activation_amax"]
     else:
-        source, max_prompt = ckpt, min(512, max_seq // 2)
+        source, max_prompt = ckpt, min(DEFAULT_MAX_PROMPT, max_seq // 2)
         if precision == "fp8":
             from higgs_trt.calibration.calibrate import calibrate
 

@@ -42,6 +42,16 @@ def within(option: str, value: int, low: int, high: int, why: str = "") -> int:
     return value
 
 
+DEFAULT_MAX_SEQ, DEFAULT_MAX_PROMPT = 2048, 512
+
+
+def cache_length(max_seq: int | None, max_position_embeddings: int) -> int:
+    """--max-seq as given (16 up to the model's positions), else 2048 or the model's positions if fewer."""
+    if max_seq is None:
+        return min(DEFAULT_MAX_SEQ, max_position_embeddings)
+    return within("--max-seq", max_seq, 16, max_position_embeddings, "the model's max_position_embeddings")
+
+
 def seconds_within(option: str, value: float, low: float, high: float) -> float:
     """A number of seconds in low..high, refused otherwise (NaN and the infinities included)."""
     if not (math.isfinite(value) and low <= value <= high):

@@ -446,6 +446,8 @@ TEXT = [
                 "<|ref_text|>", "<|text_end|>")],
     Case("empty", lambda w: w.run_ort(w.engine, text=""), "text is empty"),
     Case("whitespace", lambda w: w.run_ort(w.engine, text=" \n\t "), "text is empty"),
+    Case("invisible-only", lambda w: w.run_ort(w.engine, text="\u200b\u200d \ufeff\u2060"),
+         "text has nothing to say: only invisible format characters and spaces"),
     Case("unknown-tag", lambda w: w.run_ort(w.engine, text="Hi <|emotion:rage|>"), "unknown control tag(s) <|emotion:rage|>"),
     Case("lone-surrogate", lambda w: w.run_ort(w.engine, text="Hi \udcff"), "not valid UTF-8"),
     Case("nul", lambda w: w.run_ort(w.engine, text="Hi\x00there"), "control character U+0000"),
@@ -521,11 +523,11 @@ OPTIONS = [
          "--backend ort needs --engine"),
     Case("no-model", lambda w: ["run", "--text", "Hi", "--out", w.out], "give --engine DIR"),
     Case("export-max-batch-zero", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--max-batch", 0],
-         "1 ≤ max-batch ≤ 1024"),
+         "1 ≤ --max-batch ≤ 1024"),
     Case("export-max-prompt-zero", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--max-prompt", 0],
-         "1 ≤ max-prompt < max-seq"),
+         "1 ≤ --max-prompt < --max-seq"),
     Case("export-max-seq-beyond-model", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e",
-                                                   "--max-seq", 10**9], "beyond the model's max_position_embeddings"),
+                                                   "--max-seq", 10**9], "max_position_embeddings), got 1000000000"),
     Case("export-calibration-with-bf16", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e",
                                                     "--calibration", w.tmp / "c.json"], "--calibration applies to --precision fp8 only"),
     Case("build-gate-with-bf16", lambda w: ["build", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--gate-top1", "0.5"],
@@ -687,6 +689,23 @@ def test_valid_inputs_are_accepted(tiny_engine, tmp_path, text, options):
     code, stderr = higgs("run", "--engine", tiny_engine, "--text", text, "--out", out, *options)
     assert code == 0, stderr
     assert out.stat().st_size > 44 and "Error" not in stderr
+
+
+def test_a_model_with_fewer_positions_than_the_default_cache_takes_them_all(tiny_ckpt, tmp_path):
+    """--max-seq (and --max-prompt) left out default to what the model allows, not to an error naming an option the
+    user never gave."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.export import engine_limits
+    from higgs_trt.runtime.errors import HiggsError
+
+    w = World(tmp_path, tiny_ckpt, None)
+    ckpt = w.config(lambda text, raw: text.update(max_position_embeddings=600))
+    code, stderr = higgs(*w.run_torch(ckpt))
+    assert code == 0 and w.out.stat().st_size > 44, stderr
+    config = Checkpoint(ckpt).config
+    assert engine_limits(config, None, 8, None) == {"max_seq": 600, "max_batch": 8, "max_prompt": 300}
+    with pytest.raises(HiggsError, match="--max-seq must lie in 16..600 .the model's max_position_embeddings., got 2048"):
+        engine_limits(config, 2048, 8, None)
 
 
 @pytest.mark.parametrize("stdout, message", [("/dev/full", "standard output: cannot write (No space left on device)"),
