@@ -16,9 +16,9 @@ Formats. wav and pcm stream chunk by chunk (a streamed wav's RIFF and data sizes
 are written whole by soundfile once the utterance is complete (a FLAC's STREAMINFO carries the total length and an
 MD5 that libsndfile writes at the end, into a seekable file). SSE carries wav or pcm.
 
-Failures after the response has started (a timeout, an engine failure) cannot change its status: an audio body is
-cut (the connection closes before the final chunk, so the client sees an incomplete response), SSE sends a
-`speech.audio.error` event. SIGTERM: new requests get 503, those in flight finish (each within --timeout), exit 0.
+Failures after the response has started (a timeout, an engine failure, audio that came out NaN) cannot change its
+status: an audio body is cut (the connection closes before the final chunk, so the client sees an incomplete
+response), SSE sends a `speech.audio.error` event. SIGTERM: new requests get 503, those in flight finish (each within --timeout), exit 0.
 """
 
 import asyncio
@@ -56,7 +56,7 @@ from .prompt import build_prompt, check_text, load_reference_codes
 from .scheduler import PHASES, QueueFull, Scheduler, freeze_heap, request_for
 from .sinks import wav_header
 from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
-from .wav import SAMPLE_RATE, pcm16
+from .wav import NON_FINITE, SAMPLE_RATE, pcm16
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's logger for everything but access lines: one log, one format
 
@@ -202,6 +202,8 @@ class EngineThread(threading.Thread):
         self.scheduler.run()
         if warm.error:
             raise HiggsError(f"the warm-up request failed: {warm.error}")
+        if not np.isfinite(warm.audio()).all():
+            raise HiggsError(f"the warm-up request decoded {NON_FINITE}")
         freeze_heap()  # what the warm-up compiled and allocated stays for good, too
 
     def _fail(self, message: str, error: Exception | None = None) -> None:
@@ -293,13 +295,18 @@ class AudioQueue:
         self.loop, self.metrics = loop, metrics
         self.items: asyncio.Queue = asyncio.Queue()
         self.stopped: str | None = None  # why the body stopped early: the outcome of a cancelled request
+        self.non_finite = False  # a chunk held NaN or infinite samples: the body is cut there, the request failed
 
     def chunk(self, samples: np.ndarray) -> None:
-        self.metrics.audio.inc(len(samples) / SAMPLE_RATE)
+        if np.isfinite(samples).all():
+            self.metrics.audio.inc(len(samples) / SAMPLE_RATE)
+        else:
+            self.non_finite = True
         self._put(samples)
 
     def done(self, request) -> None:
-        outcome = "failed" if request.error else (self.stopped or "cancelled") if request.cancelled else "completed"
+        failed = request.error or self.non_finite
+        outcome = "failed" if failed else (self.stopped or "cancelled") if request.cancelled else "completed"
         self.metrics.requests.labels(outcome).inc()
         if request.admitted_at is not None:
             self.metrics.queue_wait.observe(request.admitted_at - request.submitted_at)
@@ -323,6 +330,8 @@ class AudioQueue:
                 raise Cut("the request timed out (the server's --timeout)", "timeout") from None
             if item is None:
                 break
+            if not np.isfinite(item).all():
+                raise Cut(f"the engine decoded {NON_FINITE}", "engine_error")
             yield item
         if request.error:
             raise Cut(request.error, "engine_error")

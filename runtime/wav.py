@@ -14,12 +14,15 @@ SAMPLE_RATE = 24000
 check_writable, write_atomic = output_file, write_file
 
 
+NON_FINITE = "NaN or infinite samples: the engine's weights are broken"
+
+
 def pcm16(samples: np.ndarray) -> tuple[bytes, int]:
     """Float samples in [-1, 1] → s16le bytes, and how many samples had to be clipped. NaN or infinite samples
     (an engine whose weights are broken) are refused: they have no 16-bit value."""
     samples = np.asarray(samples, dtype=np.float32).reshape(-1)
     if not np.isfinite(samples).all():
-        raise HiggsError("the decoded audio holds NaN or infinite samples: the engine's weights are broken")
+        raise HiggsError(f"the decoded audio holds {NON_FINITE}")
     clipped = int(np.count_nonzero(np.abs(samples) > 1.0))
     return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes(), clipped
 

@@ -11,6 +11,7 @@ import json
 import random
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -586,6 +587,54 @@ def test_health_is_503_until_warm_and_while_shutting_down(engine_dir):
         assert client.get("/health").json() == {"status": "shutting down"}
         r = client.post(SPEECH, json=body(input=TEXT))
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
+def test_an_engine_that_decodes_nan_is_refused_at_warm_up(engine_dir, tmp_path):
+    from higgs_trt.runtime.manifest import MANIFEST, _seal, file_digest
+
+    broken = shutil.copytree(engine_dir, tmp_path / "broken")
+    (broken / "weights.bin").write_bytes(b"\xff" * (broken / "weights.bin").stat().st_size)  # every weight NaN
+    manifest = json.loads((broken / MANIFEST).read_text())
+    manifest["files"]["weights.bin"] = file_digest(broken / "weights.bin")
+    manifest["manifest_sha256"] = _seal(manifest)  # resealed, as a tool that wrote it would
+    (broken / MANIFEST).write_text(json.dumps(manifest))
+    r = subprocess.run([sys.executable, "-m", "higgs_trt.runtime.cli", "serve", "--engine", broken, "--port", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("Error:")] == [
+        "Error: the warm-up request decoded NaN or infinite samples: the engine's weights are broken"], r.stderr
+
+
+def test_audio_that_turns_nan_while_serving_fails_its_request_only(engine_dir):
+    """NaN audio after the warm-up (weights that break on some inputs only) ends that request as an engine failure: an
+    SSE stream gets speech.audio.error, the outcome counts as failed, no traceback, and the next request is served.
+    In process, with the real engine's codec output replaced by NaN for one request: broken weights themselves are
+    refused at the warm-up (above), so this is the one way to reach the path."""
+    from starlette.testclient import TestClient
+
+    from higgs_trt.runtime.engines import load_tokenizer, open_encoder, open_engine, open_sources
+    from higgs_trt.runtime.server import EngineThread, SpeechService, create_app, load_voices
+
+    sources = open_sources("ort", engine_dir, None, None, None)
+    tokenizer = load_tokenizer(sources)
+    voices = load_voices(None, tokenizer)
+    thread = EngineThread(lambda: open_engine(sources, max_batch=2), lambda: open_encoder(sources), tokenizer, voices, 8)
+    service = SpeechService(thread, tokenizer, voices, None, 60.0)
+    with TestClient(create_app(service)) as client:
+        assert thread.ready.wait(120)
+        backend = thread.engine.backend
+        codec = backend.codec
+        backend.codec = lambda codes: np.full_like(codec(codes), np.nan)
+        with client.stream("POST", SPEECH, json=body(input=TEXT, max_new_tokens=20, stream_format="sse")) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert events == [{"type": "speech.audio.error", "error": {
+            "message": "the engine decoded NaN or infinite samples: the engine's weights are broken",
+            "type": "server_error", "param": None, "code": "engine_error"}}]
+        backend.codec = codec
+        assert client.post(SPEECH, json=body(input=TEXT, max_new_tokens=20, response_format="pcm")).status_code == 200
+        metrics = client.get("/metrics").text
+    assert 'higgs_requests_total{outcome="failed"} 1.0' in metrics
+    assert 'higgs_requests_total{outcome="completed"} 1.0' in metrics
 
 
 # ---- the command line ----------------------------------------------------------------------------------------------
