@@ -49,12 +49,14 @@ class ReferenceAudio:
     source_rate: int
 
 
-def load_reference_audio(path: Path) -> ReferenceAudio:
-    """Read, check, down-mix and resample a reference recording; every problem is one HiggsError."""
+def load_reference_audio(path: Path, what: str | None = None) -> ReferenceAudio:
+    """Read, check, down-mix and resample a reference recording; every problem is one HiggsError, which starts with
+    `what` (default: the path)."""
     path = Path(path)
+    what = what or str(path)
     if not path.is_file():
-        raise HiggsError(f"{path}: reference audio {'is not a regular file' if path.exists() else 'not found'}")
-    return _reference(str(path), path)
+        raise HiggsError(f"{what}: reference audio {'is not a regular file' if path.exists() else 'not found'}")
+    return _reference(str(path), what)
 
 
 def reference_audio_from_bytes(data: bytes, what: str = "reference audio") -> ReferenceAudio:

@@ -195,6 +195,12 @@ class EngineThread(threading.Thread):
                 if self.encoder is None:
                     raise HiggsError(f"voice {name!r} is a recording, but: {self.no_encoder}")
                 voice.codes, voice.audio = encode_reference(voice.audio, self.encoder), None
+            if voice.codes is not None:  # a voice no request could use is refused now, not at each request
+                try:
+                    request_for(self.engine, build_prompt(self.tokenizer, WARMUP_TEXT, voice.codes, voice.text),
+                                Sampling(1.0))
+                except HiggsError as e:
+                    raise HiggsError(f"voice {name!r} does not fit this engine: {e}") from None
         plan = self.stream_plan(self.engine.codec_strides) if self.stream_plan is not None else None
         self.scheduler = Scheduler(self.engine, plan, max_queue=self.max_queue)
         prompt = build_prompt(self.tokenizer, WARMUP_TEXT)
@@ -418,7 +424,9 @@ class SpeechService:
             self.admitting -= 1
             self.large_bodies -= large
         stream = AudioQueue(asyncio.get_running_loop(), self.metrics)
-        with field("input"):
+        reference = ("voice" if speech.voice != "default" else "ref_audio" if speech.ref_audio is not None
+                     else "ref_codes" if speech.ref_codes is not None else None)
+        with field(reference or "input"):  # a prompt too long for the engine: its reference is named, if it has one
             job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
                               on_chunk=stream.chunk, on_done=stream.done)
         job.fixed_rows = self.fixed_length
@@ -481,8 +489,11 @@ class SpeechService:
             if self.engine.encoder is None:
                 raise ApiError(400, f"ref_audio cannot be encoded here: {self.engine.no_encoder}", "ref_audio",
                                "unsupported_parameter")
-            read = load_reference_audio if isinstance(speech.ref_audio, Path) else partial(reference_audio_from_bytes,
-                                                                                          what="ref_audio")
+            if isinstance(speech.ref_audio, Path):  # errors name it below --ref-dir: the server's paths stay its own
+                name = speech.ref_audio.relative_to(self.ref_dir.resolve())
+                read = partial(load_reference_audio, what=f"ref_audio file://{name}")
+            else:
+                read = partial(reference_audio_from_bytes, what="ref_audio")
             with field("ref_audio"):
                 audio = await run_in_threadpool(read, speech.ref_audio)
                 codes = await self.engine.call(encode_reference, audio, self.engine.encoder)

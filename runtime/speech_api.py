@@ -5,7 +5,8 @@ OpenAI's fields: `model`, `input` (≤ 4096 characters), `voice` (a name or `{"i
 (`audio` | `sse`), `instructions` (refused: style comes from inline tags in `input`, e.g. <|emotion:…|>).
 Extensions, named as vLLM-Omni names them: `stream` (true alone means SSE), `seed`, `temperature`, `top_k`, `top_p`,
 `max_new_tokens` (decode steps, one row of 8 codes each), `ref_audio` (base64, a data: URL, or a file:// path below
-the server's --ref-dir), `ref_text`; and `ref_codes` (reference codes [T][8], the layout of `--ref-codes`).
+the server's --ref-dir), `ref_text` (≤ 4096 characters); and `ref_codes` (reference codes [T][8], the layout of
+`--ref-codes`).
 Sampling defaults are the CLI's (temperature 1.0, top_k 0, top_p 1.0, seed 0), so a request without options sounds
 exactly like `higgs-trt run` with none: same text, same audio; send `seed` for another take.
 
@@ -103,8 +104,7 @@ def parse_speech(body: bytes, model: str, voices, ref_dir: Path | None) -> Speec
     text = _typed(given, "input", str)
     if text is None:
         raise ApiError(400, "input is required: the text to speak", "input", "missing_required_parameter")
-    if len(text) > MAX_INPUT_CHARS:
-        raise ApiError(400, f"input is {len(text)} characters; at most {MAX_INPUT_CHARS}", "input")
+    _short(text, "input")
     with field("input"):
         check_text(text, "input")
     if _typed(given, "instructions", str, ""):
@@ -153,10 +153,15 @@ def parse_speech(body: bytes, model: str, voices, ref_dir: Path | None) -> Speec
     if ref_codes is not None:
         if ref_audio is not None:
             raise ApiError(400, "give ref_audio or ref_codes, not both", "ref_codes")
+        if isinstance(ref_codes, list) and any(isinstance(code, bool) for row in ref_codes if isinstance(row, list)
+                                               for code in row):
+            raise ApiError(400, "ref_codes: reference codes must be integers, got a boolean", "ref_codes",
+                           "invalid_type")
         with field("ref_codes"):
             ref_codes = check_reference_codes(ref_codes if isinstance(ref_codes, list) else None, "ref_codes")
     ref_text = _typed(given, "ref_text", str)
     if ref_text is not None:
+        _short(ref_text, "ref_text")
         with field("ref_text"):
             check_text(ref_text, "ref_text")
         if ref_audio is None and ref_codes is None:
@@ -183,6 +188,12 @@ def _typed(given: dict, key: str, types, default=None):
         wanted = "a number" if float in types else _kind(types[0]())
         raise ApiError(400, f"{key} must be {wanted}, got {_kind(value)}", key, "invalid_type")
     return value
+
+
+def _short(text: str, key: str) -> None:
+    """Texts are capped before any per-character check or tokenizing (a 16 MB body would hold the event loop)."""
+    if len(text) > MAX_INPUT_CHARS:
+        raise ApiError(400, f"{key} is {len(text)} characters; at most {MAX_INPUT_CHARS}", key)
 
 
 def _reference_audio(value: str | None, ref_dir: Path | None) -> bytes | Path | None:

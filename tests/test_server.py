@@ -69,6 +69,7 @@ def refs(tmp_path_factory):
     ref_dir.mkdir()
     voices.mkdir()
     soundfile.write(ref_dir / "ref.wav", audio, 16000)
+    (ref_dir / "notes.wav").write_bytes(b"not audio at all")
     soundfile.write(voices / "sung.wav", audio, 16000)
     (voices / "sung.txt").write_text("A rising tone.\n")
     codes = np.random.default_rng(3).integers(0, 1024, (20, 8)).astype(np.int32)
@@ -358,6 +359,10 @@ BAD = [  # (body: dict | bytes, status, param)
     ({"input": "Hi", "ref_codes": [[1, 2, 3]]}, 400, "ref_codes"),
     ({"input": "Hi", "ref_codes": [[2000] * 8]}, 400, "ref_codes"),
     ({"input": "Hi", "ref_codes": "AAAA"}, 400, "ref_codes"),
+    ({"input": "Hi", "ref_codes": [[1, True, 3, 4, 5, 6, 7, 8]]}, 400, "ref_codes"),  # JSON types are not cast
+    ({"input": "Hi", "ref_codes": [[1] * 8] * 400}, 400, "ref_codes"),  # longer than the engine's prefill
+    ({"input": "Hi", "ref_audio": "file://notes.wav"}, 400, "ref_audio"),
+    ({"input": "Hi", "ref_codes": GOOD_CODES, "ref_text": "x" * 4097}, 400, "ref_text"),
     ({"input": "Hi", "ref_text": "x"}, 400, "ref_text"),
     ({"input": "Hi", "ref_codes": GOOD_CODES, "ref_text": "<|ref_audio|>"}, 400, "ref_text"),
     ({"input": "Hi", "instructions": "whisper"}, 400, "instructions"),
@@ -376,6 +381,7 @@ def check_bad(status: int, payload: dict, expected_status: int, param) -> None:
     error = payload["error"]
     assert error["param"] == param and error["message"] and error["type"] and error["code"], payload
     assert " object at 0x" not in error["message"], payload  # no Python repr leaks into what a client reads
+    assert "/tmp/" not in error["message"], payload  # nor the server's paths (--ref-dir's files are named below it)
 
 
 @pytest.mark.parametrize("case", range(len(BAD)))
@@ -603,6 +609,18 @@ def test_an_engine_that_decodes_nan_is_refused_at_warm_up(engine_dir, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("Error:")] == [
         "Error: the warm-up request decoded NaN or infinite samples: the engine's weights are broken"], r.stderr
+
+
+def test_a_voice_too_long_for_the_engine_is_refused_at_start(engine_dir, tmp_path):
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    np.save(voices / "long.npy", np.ones((400, 8), np.int32))  # the engine's prefill takes 160 tokens
+    r = subprocess.run([sys.executable, "-m", "higgs_trt.runtime.cli", "serve", "--engine", engine_dir, "--voices",
+                        voices, "--port", "0"], capture_output=True, text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr
+    assert errors[0].startswith("Error: voice 'long' does not fit this engine: text and reference audio (407 rows) "
+                                "too long: the prompt takes"), r.stderr
 
 
 def test_audio_that_turns_nan_while_serving_fails_its_request_only(engine_dir):
