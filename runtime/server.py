@@ -563,10 +563,12 @@ class AudioResponse(StreamingResponse):
 
 
 def encode_file(audio: np.ndarray, fmt: str) -> bytes:
-    """A whole flac / mp3 / opus file of the 16-bit samples (the same samples wav and pcm carry)."""
+    """A whole flac / mp3 / opus file of the 16-bit samples (the same samples wav and pcm carry). An utterance without
+    audio (ended at its first rows) is one silent sample: libsndfile writes no decodable empty flac, mp3 or opus."""
     import soundfile
 
     kind, subtype, _ = ENCODED[fmt]
+    audio = audio if len(audio) else np.zeros(1, np.float32)
     out = io.BytesIO()
     soundfile.write(out, np.frombuffer(pcm16(audio)[0], "<i2"), SAMPLE_RATE, format=kind, subtype=subtype)
     return out.getvalue()

@@ -392,6 +392,14 @@ def test_bad_requests_get_4xx_naming_the_field(server, case):
     check_bad(r.status_code, r.json(), status, param)
 
 
+@pytest.mark.parametrize("fmt", ["flac", "mp3", "opus"])
+def test_an_utterance_without_audio_is_still_a_file_that_decodes(fmt):
+    from higgs_trt.runtime.server import encode_file
+
+    audio, rate = soundfile.read(io.BytesIO(encode_file(np.zeros(0, np.float32), fmt)))
+    assert rate == 24000 and 1 <= len(audio) <= 960 and np.abs(audio).max() < 1e-3  # lossy codecs: near zero
+
+
 def test_health_models_metrics(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL_ID
