@@ -17,7 +17,7 @@ are written whole by soundfile once the utterance is complete (a FLAC's STREAMIN
 MD5 that libsndfile writes at the end, into a seekable file). SSE carries wav or pcm.
 
 Failures after the response has started (a timeout, an engine failure, audio that came out NaN) cannot change its
-status: an audio body is cut (the connection closes before the final chunk, so the client sees an incomplete
+status (flac, mp3 and opus start only once their file is complete: 504 or 500 then): an audio body is cut (the connection closes before the final chunk, so the client sees an incomplete
 response), SSE sends a `speech.audio.error` event. SIGTERM: new requests get 503, those in flight finish (each within --timeout), exit 0.
 """
 
@@ -395,8 +395,7 @@ class SpeechService:
             return AudioResponse(self._sse(stream, job, speech, deadline, input_tokens), stop,
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if speech.response_format in ENCODED:
-            return AudioResponse(self._whole(stream, job, speech, deadline), stop,
-                                 media_type=ENCODED[speech.response_format][2])
+            return await self._whole_file(request, stream, job, speech, deadline)
         raw = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Channels": "1", "X-Bit-Depth": "16"}
         media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
         return AudioResponse(self._audio(stream, job, speech, deadline), stop, media_type=media, headers=raw)
@@ -517,10 +516,32 @@ class SpeechService:
         async for samples in stream.chunks(job, deadline):
             yield pcm16(samples)[0]
 
-    async def _whole(self, stream: AudioQueue, job, speech: Speech, deadline: float):
-        chunks = [samples async for samples in stream.chunks(job, deadline)]
-        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-        yield await run_in_threadpool(encode_file, audio, speech.response_format)
+    async def _whole_file(self, request: Request, stream: AudioQueue, job, speech: Speech, deadline: float):
+        """flac / mp3 / opus: nothing goes out before the file is complete, so a timeout or an engine failure is still
+        an error status; a client that leaves cancels its request, as a streamed body's does."""
+        async def samples() -> np.ndarray:
+            chunks = [samples async for samples in stream.chunks(job, deadline)]
+            return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+        async def disconnect() -> None:  # the body is read: the next message is the client leaving
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        decoding, leaving = asyncio.ensure_future(samples()), asyncio.ensure_future(disconnect())
+        try:
+            await asyncio.wait({decoding, leaving}, return_when=asyncio.FIRST_COMPLETED)
+            if not decoding.done():
+                return Response(status_code=400)  # nobody to answer
+            audio = decoding.result()
+        except Cut as e:
+            error = ApiError(504 if e.code == "timeout" else 500, str(e), None, e.code, "server_error")
+            return JSONResponse(error.body(), error.status)
+        finally:
+            decoding.cancel()
+            leaving.cancel()
+            self._stop(job, stream)
+        data = await run_in_threadpool(encode_file, audio, speech.response_format)
+        return Response(data, media_type=ENCODED[speech.response_format][2])
 
     async def _sse(self, stream: AudioQueue, job, speech: Speech, deadline: float, input_tokens: int):
         def event(data: dict) -> bytes:

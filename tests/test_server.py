@@ -421,6 +421,22 @@ def test_health_models_metrics(server):
 
 # ---- disconnects, limits, shutdown -------------------------------------------------------------------------------
 
+def test_a_client_leaving_before_its_whole_file_frees_its_slot(server, long_request):
+    """flac / mp3 / opus send nothing until the file is complete; a client that leaves before then cancels too."""
+    before = server.metrics()
+    content = json.dumps({**long_request, "response_format": "mp3"}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (SPEECH.encode(), len(content), content))
+        deadline = time.monotonic() + 10
+        while server.metrics()["higgs_busy_slots"] == 0:  # admitted and decoding, then the client leaves
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    after = server.wait_idle(timeout=10)
+    assert metric(after, 'higgs_requests_total{outcome="cancelled"}') == \
+        metric(before, 'higgs_requests_total{outcome="cancelled"}') + 1
+
+
 def test_a_client_leaving_mid_stream_frees_its_slot(server, long_request):
     before = server.metrics()
     with httpx.stream("POST", server.url + SPEECH, json=long_request, timeout=60) as r:
@@ -551,8 +567,10 @@ def test_a_request_past_its_timeout_is_cut_and_its_slot_freed(engine_dir, long_r
                 r.read()
         events = sse_events(s.url, {**long, "stream_format": "sse"})
         assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == "timeout"
+        r = httpx.post(s.url + SPEECH, json={**long, "response_format": "flac"}, timeout=60)  # nothing sent yet
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
         m = s.wait_idle()
-        assert metric(m, 'higgs_requests_total{outcome="timeout"}') == 2
+        assert metric(m, 'higgs_requests_total{outcome="timeout"}') == 3
     finally:
         assert s.stop() == 0, s.output()
 
