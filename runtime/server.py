@@ -407,7 +407,7 @@ class SpeechService:
         if not self.engine.ready.is_set():
             why = f"the engine failed: {self.engine.failure}" if self.engine.failure else "the engine is loading"
             raise ApiError(503, why, None, "not_ready", "server_error", {"Retry-After": "5"})
-        if self.admitting >= self.engine.max_queue:
+        if self.admitting >= self.engine.max_queue + self.engine.engine.max_batch:  # what the queue and slots take
             raise busy(f"{self.admitting} requests are being received")
         self.admitting += 1
         large = False

@@ -459,6 +459,15 @@ def wait_for(s: Server, name: str, value: float) -> None:
 def test_a_full_queue_answers_429_with_retry_after(engine_dir, long_request, tmp_path):
     s = Server(engine_dir, tmp_path / "queue.log", "--max-batch", 1, "--max-queue", 1)
     try:
+        # bodies being received: as many as the queue and the slots hold together (1 + 1), a third is refused
+        stalled = [_partial_request(s.port, 100, b'{"input"') for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while (probe := httpx.post(s.url + SPEECH, json={"input": 5})).status_code == 400:  # until both are in
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert probe.status_code == 429 and probe.json()["error"]["message"].startswith("2 requests are being received")
+        for conn in stalled:
+            conn.close()
         long = long_request
         with httpx.stream("POST", s.url + SPEECH, json=long, timeout=60) as running:
             wait_for(s, "higgs_busy_slots", 1)
@@ -470,7 +479,7 @@ def test_a_full_queue_answers_429_with_retry_after(engine_dir, long_request, tmp
                 assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["param"] is None
         m = s.wait_idle()
         assert metric(m, 'higgs_requests_total{outcome="cancelled"}') == 2
-        assert metric(m, 'higgs_errors_total{code="queue_full"}') == 1
+        assert metric(m, 'higgs_errors_total{code="queue_full"}') == 2
     finally:
         assert s.stop() == 0, s.output()
 
