@@ -503,6 +503,17 @@ def _answer(conn: socket.socket, timeout: float) -> bytes:
     return data
 
 
+def test_a_connection_whose_body_outlasts_an_early_answer_is_closed(server):
+    """A 405 (or a 429) answered before a large body has arrived: once it has, the connection idles like any other
+    after its response and is closed at uvicorn's keep-alive timeout (5 s), not held open for good."""
+    body = b"x" * (4 << 20)
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(b"POST /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        started = time.monotonic()
+        answer = _answer(conn, 30)  # to the server's close
+    assert answer.startswith(b"HTTP/1.1 405 ") and time.monotonic() - started < 20, answer[:200]
+
+
 def test_clients_that_stall_or_leave_mid_request_are_dropped_quietly(engine_dir, tmp_path):
     """A body that stalls gets 408 at --timeout; headers that stall are cut; a client that leaves mid-body is no
     traceback; reference-audio bodies beyond LARGE_BODIES_AT_ONCE get 429; a drain does not wait for stalled bodies."""
