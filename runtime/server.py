@@ -17,8 +17,10 @@ are written whole by soundfile once the utterance is complete (a FLAC's STREAMIN
 MD5 that libsndfile writes at the end, into a seekable file). SSE carries wav or pcm.
 
 Failures after the response has started (a timeout, an engine failure, audio that came out NaN) cannot change its
-status (flac, mp3 and opus start only once their file is complete: 504 or 500 then): an audio body is cut (the connection closes before the final chunk, so the client sees an incomplete
-response), SSE sends a `speech.audio.error` event. SIGTERM: new requests get 503, those in flight finish (each within --timeout), exit 0.
+status: a wav or pcm body is cut (the connection closes before the final chunk, so the client sees an incomplete
+response), SSE sends a `speech.audio.error` event. flac, mp3 and opus start only once their file is complete, so
+there the same failures are a 504 or a 500. SIGTERM: new requests get 503, those in flight finish (each within
+--timeout), exit 0.
 """
 
 import asyncio
@@ -519,7 +521,7 @@ class SpeechService:
     async def _whole_file(self, request: Request, stream: AudioQueue, job, speech: Speech, deadline: float):
         """flac / mp3 / opus: nothing goes out before the file is complete, so a timeout or an engine failure is still
         an error status; a client that leaves cancels its request, as a streamed body's does."""
-        async def samples() -> np.ndarray:
+        async def collect() -> np.ndarray:
             chunks = [samples async for samples in stream.chunks(job, deadline)]
             return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 
@@ -527,7 +529,7 @@ class SpeechService:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        decoding, leaving = asyncio.ensure_future(samples()), asyncio.ensure_future(disconnect())
+        decoding, leaving = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnect())
         try:
             await asyncio.wait({decoding, leaving}, return_when=asyncio.FIRST_COMPLETED)
             if not decoding.done():
