@@ -308,9 +308,10 @@ class AudioQueue:
     def chunk(self, samples: np.ndarray) -> None:
         if np.isfinite(samples).all():
             self.metrics.audio.inc(len(samples) / SAMPLE_RATE)
-        else:
+            self._put(samples)
+        elif not self.non_finite:  # checked here, on the engine thread: the body meets a Cut where the chunk was
             self.non_finite = True
-        self._put(samples)
+            self._put(Cut(f"the engine decoded {NON_FINITE}", "engine_error"))
 
     def done(self, request) -> None:
         failed = request.error or self.non_finite
@@ -338,8 +339,8 @@ class AudioQueue:
                 raise Cut("the request timed out (the server's --timeout)", "timeout") from None
             if item is None:
                 break
-            if not np.isfinite(item).all():
-                raise Cut(f"the engine decoded {NON_FINITE}", "engine_error")
+            if isinstance(item, Cut):
+                raise item
             yield item
         if request.error:
             raise Cut(request.error, "engine_error")
