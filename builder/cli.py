@@ -27,9 +27,11 @@ def bench_build(checkpoint, target, max_seq, workdir):
     import json
     import tempfile
 
+    from higgs_trt.runtime.options import prompt_length
+
     with extras.needed("builder", "bench build"):
         from higgs_trt.builder.trt_build import build as build_engine_dir
-    limits = {"max_seq": max_seq, "max_batch": 8, "max_prompt": min(512, max_seq // 2)}
+    limits = {"max_seq": max_seq, "max_batch": 8, "max_prompt": prompt_length(max_seq)}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(workdir or tmp)
         sizes = {}

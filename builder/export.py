@@ -30,7 +30,7 @@ from higgs_trt.calibration.qdq import insert_qdq
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
 from higgs_trt.runtime.manifest import write_manifest
-from higgs_trt.runtime.options import DEFAULT_MAX_PROMPT, cache_length
+from higgs_trt.runtime.options import cache_length, prompt_length
 from higgs_trt.runtime.outputs import output_engine_dir, staged_dir
 from higgs_trt.runtime.streaming import receptive_field
 
@@ -232,7 +232,7 @@ def engine_limits(config, max_seq: int | None, max_batch: int, max_prompt: int |
     """The manifest's limits, checked; max_seq defaults to 2048 or the model's positions if fewer, max_prompt to 512
     or half of max_seq if less."""
     max_seq = cache_length(max_seq, config.max_position_embeddings)
-    max_prompt = min(DEFAULT_MAX_PROMPT, max_seq // 2) if max_prompt is None else max_prompt
+    max_prompt = prompt_length(max_seq) if max_prompt is None else max_prompt
     if not 1 <= max_prompt < max_seq or not 1 <= max_batch <= MAX_BATCH:
         raise HiggsError(f"need 1 ≤ --max-prompt < --max-seq and 1 ≤ --max-batch ≤ {MAX_BATCH} "
                          f"(got {max_prompt}, {max_seq}, {max_batch})")
@@ -259,7 +259,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int | None = None, m
     target = output_engine_dir(out, inputs=(checkpoint_dir,))  # symlinks followed: the directory a link names
     ckpt = Checkpoint(checkpoint_dir)
     limits = engine_limits(ckpt.config, max_seq, max_batch, max_prompt)
-    max_seq, max_prompt = limits["max_seq"], limits["max_prompt"]
+    max_seq = limits["max_seq"]
     tokenizer = checkpoint_dir / "tokenizer.json"
     if not tokenizer.exists():
         raise HiggsError(f"{checkpoint_dir}: tokenizer.json not found")

@@ -9,7 +9,7 @@ import click
 import numpy as np
 
 from .errors import HiggsError
-from .options import DEFAULT_MAX_PROMPT
+from .options import prompt_length
 from .outputs import remember_interrupts
 
 MAX_SEQ_HELP = "KV-cache length (torch backend from a checkpoint) [default: 2048, or the model's positions if fewer]."
@@ -354,7 +354,7 @@ def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, 
 
     sources = open_sources("torch", None, checkpoint, precision, max_seq)
     ckpt, max_seq = sources.checkpoint, sources.max_seq
-    model = load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=min(DEFAULT_MAX_PROMPT, max_seq // 2),
+    model = load_gpu_engine(ckpt, max_seq=max_seq, max_batch=max_batch, max_prompt=prompt_length(max_seq),
                             act_amax=placeholder_amax(ckpt.config), codec_fp16=codec_precision != "tf32", say=say)
     return model, load_tokenizer(sources)
 

@@ -139,7 +139,7 @@ def _torch(sources: Sources, device: str, max_batch: int, precision: str | None,
         return HostStepper(TorchBackend(ckpt, max_seq=max_seq, max_batch=max_batch))
     from higgs_trt.builder.gpu_engine import load_gpu_engine
 
-    from .options import DEFAULT_MAX_PROMPT
+    from .options import prompt_length
 
     amax = None
     if engine is not None:
@@ -152,7 +152,7 @@ def _torch(sources: Sources, device: str, max_batch: int, precision: str | None,
             calibration = engine.path / engine.manifest["calibration"]["file"]
             amax = load_calibration(calibration, engine.fingerprint)["activation_amax"]
     else:
-        source, max_prompt = ckpt, min(DEFAULT_MAX_PROMPT, max_seq // 2)
+        source, max_prompt = ckpt, prompt_length(max_seq)
         if precision == "fp8":
             from higgs_trt.calibration.calibrate import calibrate
 

@@ -42,7 +42,7 @@ def within(option: str, value: int, low: int, high: int, why: str = "") -> int:
     return value
 
 
-DEFAULT_MAX_SEQ, DEFAULT_MAX_PROMPT = 2048, 512
+DEFAULT_MAX_SEQ = 2048
 
 
 def cache_length(max_seq: int | None, max_position_embeddings: int) -> int:
@@ -50,6 +50,11 @@ def cache_length(max_seq: int | None, max_position_embeddings: int) -> int:
     if max_seq is None:
         return min(DEFAULT_MAX_SEQ, max_position_embeddings)
     return within("--max-seq", max_seq, 16, max_position_embeddings, "the model's max_position_embeddings")
+
+
+def prompt_length(max_seq: int) -> int:
+    """The longest prompt (prefill) by default: 512 tokens, or half of the cache if that is less."""
+    return min(512, max_seq // 2)
 
 
 def seconds_within(option: str, value: float, low: float, high: float) -> float:
