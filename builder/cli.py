@@ -247,6 +247,19 @@ def bench_checkpoint(checkpoint, repeats):
                    f"{seconds / (size / 2**30):.3f} s/GiB ({size / 2**30 / seconds:.2f} GiB/s)")
 
 
+def limit_options(command):
+    """--max-seq, --max-batch and --max-prompt: the engine's limits, shared by export and build."""
+    for option in reversed([
+        click.option("--max-seq", type=int, help="KV-cache rows (prompt + generated rows) [default: 2048, or the "
+                                                 "model's positions if fewer]."),
+        click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the engines take."),
+        click.option("--max-prompt", type=int, help="Longest prompt (prefill) in tokens [default: 512, or half of "
+                                                    "--max-seq if less]."),
+    ]):
+        command = option(command)
+    return command
+
+
 def fp8_options(command):
     """--precision, --calibration and the accuracy-gate floors, shared by export and build."""
     from higgs_trt.calibration.gate import DEFAULT_COSINE, DEFAULT_TOP1
@@ -283,11 +296,7 @@ def check_fp8_options(precision: str, options: set[str], gate_cosine: float, gat
 @click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
               help="native: RoPE/KV-cache/attention and the codebook step as standard ONNX ops TensorRT maps to its "
                    "own layers; plugin: the higgs::rope_kv_write and higgs::delayed_codebook_step plugins (Triton).")
-@click.option("--max-seq", type=int, help="KV-cache rows (prompt + generated rows) [default: 2048, or the model's "
-                                          "positions if fewer].")
-@click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the engines take.")
-@click.option("--max-prompt", type=int, help="Longest prompt (prefill) in tokens [default: 512, or half of --max-seq "
-                                             "if less].")
+@limit_options
 @fp8_options
 @click.pass_context
 def export(ctx, checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine, gate_top1):
@@ -315,11 +324,7 @@ def export(ctx, checkpoint, out, ops, max_seq, max_batch, max_prompt, precision,
 @click.option("--target", help=f"Build with TensorRT-RTX for this compute capability, no GPU needed "
                                f"({', '.join(trt_shim.TARGETS)}). Default: datacenter TensorRT for the local GPU.")
 @click.option("--lean", is_flag=True, help="VERSION_COMPATIBLE plans without the lean runtime, for tensorrt_lean.")
-@click.option("--max-seq", type=int, help="KV-cache rows (prompt + generated rows) [default: 2048, or the model's "
-                                          "positions if fewer].")
-@click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch the engines take.")
-@click.option("--max-prompt", type=int, help="Longest prompt (prefill) in tokens [default: 512, or half of --max-seq "
-                                             "if less].")
+@limit_options
 @fp8_options
 @click.option("--recipe", help="Named settings from engines/recipes/ (e.g. h200-fp8, tiny); flags given here win.")
 @click.pass_context
