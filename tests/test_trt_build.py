@@ -102,6 +102,22 @@ def test_a_build_for_another_checkpoint_re_exports(built, tmp_path):
     assert json.loads((out / "manifest.json").read_text())["engines"]["lm"]["file"] == "lm.plan"
 
 
+def test_a_recipe_fills_what_the_command_does_not_give(tiny_ckpt, built, tmp_path):
+    """rtx-sm89-ci: max_seq 512, max_batch 4, max_prompt 256, target sm89. The flags given win over it."""
+    out = shutil.copytree(built[0], tmp_path / "e")
+    r = CliRunner().invoke(main, ["build", "--checkpoint", str(tiny_ckpt), "--out", str(out), "--recipe", "rtx-sm89-ci",
+                                  "--max-seq", "160", "--max-prompt", "96"])
+    assert r.exit_code == 0, r.stderr
+    m = EngineDir(out).manifest
+    assert m["build"]["target"] == "sm89" and m["precision"] == "bf16"
+    assert m["engines"]["lm"]["profiles"][1]["shapes"]["past_key_0"][2] == [4, 2, 160, 16]  # batch 4 from the recipe
+    assert m["engines"]["lm"]["profiles"][0]["shapes"]["input_ids"][2] == [4, 96]
+    r = CliRunner().invoke(main, ["build", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "f"),
+                                  "--recipe", "h100"])
+    assert r.exit_code == 1 and "no recipe 'h100'; known: h200-bf16, h200-fp8, rtx-sm89-ci, tiny" in r.stderr
+    assert not (tmp_path / "f").exists()
+
+
 def test_fp8_engines_build_with_fp8_layers(tiny_ckpt, tiny_fp8_engine, tiny_calibration, tmp_path):
     out = shutil.copytree(tiny_fp8_engine, tmp_path / "fp8")
     messages = []
