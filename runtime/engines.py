@@ -93,7 +93,7 @@ def open_engine(sources: Sources, *, device: str = "auto", max_batch: int = 1,
     if sources.backend == "trt":
         from .trt_backend import TrtBackend
 
-        return HostStepper(TrtBackend(engine, "lean" if device == "lean" else "tensorrt"))
+        return HostStepper(TrtBackend(engine, "lean" if device == "lean" else "tensorrt", max_batch))
     with extras.needed("ort", "--backend ort"):
         from .ort_backend import OrtBackend
     return HostStepper(OrtBackend(engine, max_batch=max_batch))

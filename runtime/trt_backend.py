@@ -2,10 +2,10 @@
 cuda-python on one non-default stream.
 
 An engine graph for runtime/stepper.py: `lm(feeds, slot=None)` runs a prefill into slot `slot` (batch 1, the cache
-bound at that slot's address) or a step over the first B slots. Buffers are allocated once, for max_batch slots:
-device inputs sized for the longest prompt, pinned host staging for inputs and outputs, and the KV caches
-(`KvCaches`: one buffer per cache when the plan aliases `present_*` to `past_*`, two in ping-pong when it does
-not). A decode step is captured in a CUDA graph per batch size and cache side (host→device copies of the step
+bound at that slot's address) or a step over the first B slots. Buffers are allocated once, for max_batch slots (the
+caller's number, at most the plan's): device inputs sized for the longest prompt, pinned host staging for inputs and
+outputs, and the KV caches (`KvCaches`: one buffer per cache when the plan aliases `present_*` to `past_*`, two in
+ping-pong when it does not). A decode step is captured in a CUDA graph per batch size and cache side (host→device copies of the step
 inputs, the enqueue, device→host copies of logits and codes), replayed with one launch; when capture is refused
 the step falls back to a plain enqueue. The stepper chooses each row on the host (greedy codes come from the
 graph; sampling needs the logits), so a step ends with one stream synchronisation. The codec decodes windows of
@@ -103,7 +103,7 @@ class KvCaches:
 class TrtBackend:
     name = "trt"
 
-    def __init__(self, engine: EngineDir, flavour: str = "tensorrt"):
+    def __init__(self, engine: EngineDir, flavour: str = "tensorrt", max_batch: int | None = None):
         m = engine.manifest
         if "engines" not in m:
             raise HiggsError(f"{engine.path}: no TensorRT engines; build them with `higgs-trt build`")
@@ -114,7 +114,8 @@ class TrtBackend:
         problem = cuda.gpu_problem()
         if problem:
             raise HiggsError(f"the TensorRT backend needs an NVIDIA GPU: {problem}")
-        self.max_seq, self.max_batch = m["limits"]["max_seq"], m["limits"]["max_batch"]
+        limits = m["limits"]
+        self.max_seq, self.max_batch = limits["max_seq"], min(max_batch or limits["max_batch"], limits["max_batch"])
         self.max_prompt = m["limits"]["max_prompt"]
         self.codec_strides = tuple(m["codec"]["strides"])
         self.stream = cuda.Stream()
@@ -252,7 +253,7 @@ class TrtBackend:
             raise HiggsError(f"codec call of {t} frames; codec.plan decodes windows of at most {CODEC_MAX_FRAMES} "
                              "frames (CODEC_MAX_FRAMES)")
         if b > self.max_batch:
-            raise HiggsError(f"codec call of {b} windows; codec.plan takes at most {self.max_batch}")
+            raise HiggsError(f"codec call of {b} windows; buffers hold {self.max_batch}")
         packed = self.codec_in_host.array.reshape(-1)[: codes.size].reshape(codes.shape)
         packed[...] = codes
         cuda.copy_async(self.codec_in.ptr, self.codec_in_host.ptr, codes.nbytes, self.stream)
