@@ -295,7 +295,8 @@ def check_fp8_options(precision: str, options: set[str], gate_cosine: float, gat
               help="Engine directory [default: engines/<checkpoint name>]: new, empty, or an engine directory to replace.")
 @click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
               help="native: RoPE/KV-cache/attention and the codebook step as standard ONNX ops TensorRT maps to its "
-                   "own layers; plugin: the higgs::rope_kv_write and higgs::delayed_codebook_step plugins (Triton).")
+                   "own layers; plugin: the higgs::rope_kv_write, higgs::decode_attention and "
+                   "higgs::delayed_codebook_step plugins (Triton kernels).")
 @limit_options
 @fp8_options
 @click.pass_context
