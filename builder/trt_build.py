@@ -14,6 +14,8 @@ without it, datacenter TensorRT builds for the local GPU. `lean` makes VERSION_C
 lean runtime, for `tensorrt_lean` of the same version.
 """
 
+import os
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -187,13 +189,13 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
           calibration: Path | None = None, gate: tuple[float, float] | None = None, ops: str = "native") -> Path:
     """Export (reusing the engine directory's graphs when nothing they depend on changed), then build."""
     from higgs_trt.runtime.manifest import EngineDir, write_manifest
-    from higgs_trt.runtime.outputs import output_engine_dir, remove_stale
+    from higgs_trt.runtime.outputs import output_engine_dir, remove_stale, staged_dir
 
     from .checkpoint import Checkpoint
     from .export import engine_limits, export_engine
 
-    output_engine_dir(out, inputs=(checkpoint,))  # new, empty or an engine directory: refused before any work
-    remove_stale(out)  # what a killed export or build of `out` left beside it
+    directory = output_engine_dir(out, inputs=(checkpoint,))  # new, empty or an engine directory: checked first
+    remove_stale(directory)  # what a killed export or build of `out` left beside it
     if target:
         trt_shim.check_target(target)  # before a long export
     else:
@@ -211,11 +213,28 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
     else:
         say(f"reusing the ONNX graphs in {out} (same checkpoint, limits, precision and tool version)")
     manifest = engine.manifest
-    sections = build_engines(out, manifest, "lm_fp8" if precision == "fp8" else "lm", target, lean, say)
-    manifest = {**manifest, **sections}
-    files = [*manifest["files"], *(e["file"] for e in sections["engines"].values())]
-    write_manifest(out, manifest, files)
+    # the plans go into a copy of the directory (hard links to its graphs and weights) that replaces it once the
+    # build is done: a build killed or interrupted midway leaves `out` as it was, its old plans included
+    with staged_dir(directory) as staging:
+        _link_files(directory, staging, manifest["files"])
+        sections = build_engines(staging, manifest, "lm_fp8" if precision == "fp8" else "lm", target, lean, say)
+        manifest = {**manifest, **sections}
+        files = [*manifest["files"], *(e["file"] for e in sections["engines"].values())]
+        write_manifest(staging, manifest, files)
     return out
+
+
+def _link_files(source: Path, staging: Path, names) -> None:
+    """The engine directory's files into `staging`: hard links (no copy of the weights; every file we write there is
+    written beside its name and renamed over it, so a link is never written through), a copy of the timing cache,
+    which the build rewrites in place."""
+    for name in names:
+        try:
+            os.link(source / name, staging / name)
+        except OSError:  # a file system without hard links
+            shutil.copy2(source / name, staging / name)
+    if (source / TIMING_CACHE).is_file():
+        shutil.copy2(source / TIMING_CACHE, staging / TIMING_CACHE)
 
 
 def op_path(ops: str):

@@ -3,6 +3,10 @@
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -116,6 +120,44 @@ def test_a_recipe_fills_what_the_command_does_not_give(tiny_ckpt, built, tmp_pat
                                   "--recipe", "h100"])
     assert r.exit_code == 1 and "no recipe 'h100'; known: h200-bf16, h200-fp8, rtx-sm89-ci, tiny" in r.stderr
     assert not (tmp_path / "f").exists()
+
+
+def _state(directory):
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size) for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_a_rebuild_stopped_while_building_plans_leaves_the_old_engine(tiny_ckpt, built, tmp_path, sig):
+    """The plans are built in a staging copy: Ctrl-C (raised inside TensorRT's build, where it used to be swallowed
+    and the build exited 0) ends the command with exit 1, and a kill leaves litter the next build removes; the old
+    engine stays whole either way."""
+    target = shutil.copytree(built[0], tmp_path / "engine")
+    before = _state(target)
+    args = ["build", "--checkpoint", tiny_ckpt, "--out", target, "--target", "sm89", "--max-seq", 160,
+            "--max-batch", 4, "--max-prompt", 96]
+    child = subprocess.Popen([sys.executable, "-m", "higgs_trt.runtime.cli", *map(str, args)], text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines = []
+    for line in child.stderr:  # reusing the graphs, then "building lm.plan …": TensorRT is at work
+        lines.append(line)
+        if "building lm.plan" in line:
+            break
+    time.sleep(1)
+    child.send_signal(sig)
+    lines += child.stderr.readlines()
+    child.wait()
+    assert _state(target) == before, "".join(lines)  # not a file of the old engine touched
+    EngineDir(target)
+    litter = [p.name for p in tmp_path.iterdir() if p.name != "engine"]
+    if sig == signal.SIGINT:
+        assert child.returncode == 1 and lines[-1] == "Aborted!\n" and litter == [], "".join(lines)
+    else:
+        assert len(litter) == 1 and litter[0].startswith(".engine.higgs-trt-staging.")
+        messages = []
+        build(tiny_ckpt, target, "bf16", "sm89", False, LIMITS, messages.append)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+        assert _state(target).keys() == before.keys() and EngineDir(target).manifest["build"]["target"] == "sm89"
 
 
 def test_fp8_engines_build_with_fp8_layers(tiny_ckpt, tiny_fp8_engine, tiny_calibration, tmp_path):
