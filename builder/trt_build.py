@@ -250,8 +250,7 @@ def op_path(ops: str):
 
 def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibration: Path | None, ops: str):
     """The existing engine directory at `out`, if its graphs are what this build would export."""
-    import json
-
+    from higgs_trt.runtime.jsonfile import read_json
     from higgs_trt.runtime.manifest import EngineDir, tool_version
 
     if not (out / "manifest.json").exists():
@@ -265,8 +264,9 @@ def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibra
             and m["ops"] == ops and m["tool_version"] == tool_version())
     if same and calibration is not None:
         try:
-            wanted = json.loads(Path(calibration).read_text()).get("content_sha256")
-        except (OSError, ValueError, RecursionError):
+            wanted = read_json(calibration)
+        except HiggsError:
             return None  # let the export report the unreadable file
-        same = m.get("calibration", {}).get("content_sha256") == wanted
+        same = isinstance(wanted, dict) and wanted.get("content_sha256") == m.get("calibration", {}).get(
+            "content_sha256")
     return engine if same else None

@@ -4,13 +4,12 @@ import json
 from pathlib import Path
 
 from .errors import HiggsError
+from .inputs import JSON_BYTES, input_file
 
 
 def read_json(path: Path) -> object:
     try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise HiggsError(f"{path}: not found") from None
+        raw = input_file(path, JSON_BYTES).read_bytes()
     except OSError as e:
         raise HiggsError(f"{path}: unreadable ({e.strerror or e})") from None
     try:

@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .errors import HiggsError
+from .inputs import kind_of
 from .jsonfile import read_json
 
 MANIFEST = "manifest.json"
@@ -109,7 +110,8 @@ class EngineDir:
         for name, digest in m["files"].items():
             path = self.path / name
             if not path.is_file():
-                raise HiggsError(f"{self.path}: {name} is missing")
+                raise HiggsError(f"{self.path}: {name} is "
+                                 + (f"{kind_of(path.stat().st_mode)}, not a regular file" if path.exists() else "missing"))
             if file_digest(path) != digest:
                 raise HiggsError(f"{self.path}: {name} does not match the manifest (changed, or copied from another export)")
 

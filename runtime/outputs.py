@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import HiggsError
+from .inputs import kind_of
 
 TAG = "higgs-trt"
 WRITE_FAILURES = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a full disk, a file-size limit, a quota
@@ -44,14 +45,6 @@ CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # bu
 def _names(items) -> str:
     items = sorted(items)
     return ", ".join(items[:LIST_LIMIT]) + (f" and {len(items) - LIST_LIMIT} more" if len(items) > LIST_LIMIT else "")
-
-
-def _what_is(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a file"
 
 
 def _resolve(path: Path) -> Path:
@@ -110,7 +103,7 @@ def output_file(path: Path, inputs=(), probe: bool = True) -> Path:
     _check_model_dirs(path, target)
     # `path`, not `target`: /dev/stdout names a pipe whose resolved name (/proc/PID/fd/pipe:[N]) is no path at all
     if os.path.exists(path) and not os.path.isfile(path):
-        raise HiggsError(f"{path}: is {_what_is(os.stat(path).st_mode)}, not a file; refusing to replace it")
+        raise HiggsError(f"{path}: is {kind_of(os.stat(path).st_mode)}, not a file; refusing to replace it")
     if not target.parent.is_dir():
         what = "is not a directory" if target.parent.exists() else "does not exist"
         raise HiggsError(f"{path}: {target.parent} {what}")
@@ -130,7 +123,7 @@ def output_dir(path: Path, what: str, foreign: Callable[[Path], str | None], inp
     if os.path.lexists(target):
         mode = target.stat().st_mode
         if not stat.S_ISDIR(mode):
-            raise HiggsError(f"{path}: is {_what_is(mode)}, not {what}; refusing to replace it")
+            raise HiggsError(f"{path}: is {kind_of(mode)}, not {what}; refusing to replace it")
         if os.path.ismount(target):  # it is replaced by a rename, which a mount point refuses (EBUSY)
             raise HiggsError(f"{path}: is a mount point, which cannot be replaced; give a directory inside it")
         reason = foreign(target) if any(target.iterdir()) else None

@@ -22,6 +22,7 @@ import numpy as np
 
 from .decoding import CODEBOOK_SIZE, NUM_CODEBOOKS, apply_delay
 from .errors import HiggsError
+from .inputs import CODES_BYTES, TOKENIZER_BYTES, input_file
 
 TTS, TEXT, AUDIO, REF_TEXT, REF_AUDIO = "<|tts|>", "<|text|>", "<|audio|>", "<|ref_text|>", "<|ref_audio|>"
 REQUIRED_SPECIALS = (TTS, TEXT, AUDIO)
@@ -77,7 +78,7 @@ class HiggsTokenizer:
         from tokenizers import Tokenizer
 
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = Tokenizer.from_file(str(input_file(path, TOKENIZER_BYTES)))
         except Exception as e:  # tokenizers raises its own exception types for missing or malformed files
             raise HiggsError(f"{path}: cannot load tokenizer ({e})") from None
         self.specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
@@ -117,7 +118,7 @@ class HiggsTokenizer:
 def load_reference_codes(path: Path) -> np.ndarray:
     """Reference audio codes [T, 8] (0..1023) from a .npy file."""
     try:
-        with open(path, "rb") as f:
+        with open(input_file(path, CODES_BYTES), "rb") as f:
             if f.read(6) != b"\x93NUMPY":  # else np.load reads .npz archives, and calls other files pickles
                 raise HiggsError(f"{path}: not an .npy file (codes [T, 8] as numpy.save or encode-audio write them)")
             f.seek(0)

@@ -178,6 +178,21 @@ def _put(directory: Path, name: str, content) -> Path:
     return directory
 
 
+def _special(directory: Path, name: str, kind: str) -> Path:
+    """`directory` with its file `name` replaced by a fifo (a read blocks forever), a link to /dev/zero (a read never
+    ends) or a sparse 100 GiB file."""
+    path = directory / name
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "zero":
+        path.symlink_to("/dev/zero")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(100 << 30)
+    return directory
+
+
 def _file(w: World, content: str = "x") -> Path:
     (w.tmp / "f").write_text(content)
     return w.tmp / "f"
@@ -308,6 +323,14 @@ class Case:
 
 
 CHECKPOINT = [
+    Case("config-a-fifo", lambda w: w.run_torch(_special(w.ckpt_copy(), "config.json", "fifo")),
+         "config.json: is a fifo, not a regular file"),
+    Case("index-a-device", lambda w: w.run_torch(_special(w.ckpt_copy(), "model.safetensors.index.json", "zero")),
+         "model.safetensors.index.json: is a character device, not a regular file"),
+    Case("tokenizer-a-fifo", lambda w: w.run_torch(_special(w.ckpt_copy(), "tokenizer.json", "fifo")),
+         "tokenizer.json: is a fifo, not a regular file"),
+    Case("config-100-gib", lambda w: w.run_torch(_special(w.ckpt_copy(), "config.json", "sparse")),
+         "config.json: 102,400 MiB, more than such a file may hold (64 MiB)"),
     Case("directory-missing", lambda w: w.run_torch(w.tmp / "nowhere"), "checkpoint directory not found"),
     Case("config-missing", lambda w: w.run_torch(w.ckpt_file("config.json", None)), "config.json: not found"),
     Case("config-not-json", lambda w: w.run_torch(w.ckpt_file("config.json", "{")), "not valid JSON"),
@@ -398,6 +421,12 @@ CHECKPOINT = [
 ]
 
 ENGINE = [
+    Case("manifest-a-device", lambda w: w.run_ort(_special(w.engine_copy(), MANIFEST, "zero")),
+         "manifest.json: is a character device, not a regular file"),
+    Case("manifest-a-fifo", lambda w: w.run_ort(_special(w.engine_copy(), MANIFEST, "fifo")),
+         "manifest.json: is a fifo, not a regular file"),
+    Case("weights-a-fifo", lambda w: w.run_ort(_special(w.engine_copy(), "weights.bin", "fifo")),
+         "weights.bin is a fifo, not a regular file"),
     Case("directory-missing", lambda w: w.run_ort(w.tmp / "nowhere"), "not an engine directory"),
     Case("a-file", lambda w: w.run_ort(_file(w)), "unreadable"),
     Case("empty-directory", lambda w: w.run_ort(_empty(w)), "no manifest.json"),
@@ -455,6 +484,11 @@ TEXT = [
     Case("ref-text-structural", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
                                                     "--ref-text", "I said <|audio|>"),
          "reference text may not contain the prompt token(s) <|audio|>"),
+    Case("ref-codes-a-fifo", lambda w: w.run_ort(w.engine, "--ref-codes", _special(w.tmp, "r.npy", "fifo") / "r.npy"),
+         "r.npy: is a fifo, not a regular file"),
+    Case("calibration-a-fifo", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--precision", "fp8",
+                                          "--calibration", _special(w.tmp, "c.json", "fifo") / "c.json"],
+         "c.json: is a fifo, not a regular file"),
     Case("ref-text-without-codes", lambda w: w.run_ort(w.engine, "--ref-text", "hello"), "--ref-text needs --ref-codes"),
     Case("ref-codes-header-claims-terabytes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref_claiming(w, (10**12, 8))),
          "cannot read reference codes"),
@@ -617,6 +651,7 @@ OUTPUTS = [
 ]
 
 PROMPTS = [
+    Case("a-fifo", lambda w: w.compare(_special(w.tmp, "p.json", "fifo") / "p.json"), "p.json: is a fifo"),
     Case("missing", lambda w: w.compare(w.tmp / "none.json"), "none.json: not found"),
     Case("not-json", lambda w: w.compare(w.prompts(b"[{")), "not valid JSON"),
     Case("not-utf8", lambda w: w.compare(w.prompts(b'[{"text": "caf\xe9"}]')), "not UTF-8 (byte 0xe9"),
