@@ -190,31 +190,32 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, codec_pr
     request = request_for(model, prompt, settings)
     say(f"loaded {model.name} backend in {time.perf_counter() - t0:.1f} s; prompt of {len(prompt)} tokens")
 
-    sink = (PcmSink(sys.stdout.buffer) if to_stdout else WavSink(out, inputs)) if stream else None
-    request.on_chunk = sink.write if sink else None
-    scheduler = Scheduler(model, plan)
-    try:
+    sink = None
+    try:  # whatever stops the command from here on (a failed write, Ctrl-C) takes the growing wav with it
+        sink = (PcmSink(sys.stdout.buffer) if to_stdout else WavSink(out, inputs)) if stream else None
+        request.on_chunk = sink.write if sink else None
+        scheduler = Scheduler(model, plan)
         scheduler.submit(request)
         scheduler.run()
+        u = request.utterance
+        seconds = len(u.frames()) * 960 / SAMPLE_RATE
+        wall = request.finished_at - request.submitted_at
+        first = (f"first audio after {1e3 * (request.first_audio_at - request.submitted_at):.0f} ms, "
+                 if request.first_audio_at else "")
+        say(f"decoded {len(u.rows)} rows → {len(u.frames())} frames, {seconds:.2f} s of audio (stopped by "
+            f"{u.stop_reason}); {first}{wall:.2f} s in all, real-time factor {wall / max(seconds, 1e-9):.3f}")
+
+        if codes_out is not None:
+            write_file(codes_out, npy_writer(u.frames()), inputs)
+        if sink:
+            sink.close()
+            clipped = sink.clipped
+        else:
+            clipped = write_wav(out, request.audio(), inputs=inputs)
     except BaseException:
         if sink:
             sink.abort()
         raise
-    u = request.utterance
-    seconds = len(u.frames()) * 960 / SAMPLE_RATE
-    wall = request.finished_at - request.submitted_at
-    first = (f"first audio after {1e3 * (request.first_audio_at - request.submitted_at):.0f} ms, "
-             if request.first_audio_at else "")
-    say(f"decoded {len(u.rows)} rows → {len(u.frames())} frames, {seconds:.2f} s of audio (stopped by "
-        f"{u.stop_reason}); {first}{wall:.2f} s in all, real-time factor {wall / max(seconds, 1e-9):.3f}")
-
-    if codes_out is not None:
-        write_file(codes_out, npy_writer(u.frames()), inputs)
-    if sink:
-        sink.close()
-        clipped = sink.clipped
-    else:
-        clipped = write_wav(out, request.audio(), inputs=inputs)
     say(f"wrote {'stdout' if to_stdout else out}" + (f" ({clipped} samples clipped to ±1)" if clipped else ""))
 
 

@@ -58,16 +58,28 @@ class WavSink(PcmSink):
     def __init__(self, path: Path, inputs=()):
         self.path, self.inputs = Path(path), inputs
         _, self.tmp = partial_file(self.path, inputs)
-        super().__init__(open(self.tmp, "wb"), str(self.path))
-        self.stream.write(wav_header(0))
+        try:
+            super().__init__(open(self.tmp, "wb"), str(self.path))
+            self.stream.write(wav_header(0))
+        except BaseException as e:
+            self.tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise HiggsError(f"{self.path}: cannot write ({e.strerror or e})") from None
+            raise
 
     def close(self) -> None:
-        self.stream.seek(0)
-        self.stream.write(wav_header(2 * self.samples))
-        self.stream.close()
+        try:
+            self.stream.seek(0)
+            self.stream.write(wav_header(2 * self.samples))
+            self.stream.close()  # the buffered tail is written here: a full disk may show only now
+        except OSError as e:
+            self.abort()
+            raise HiggsError(f"{self.name}: cannot write ({e.strerror or e})") from None
         commit(self.tmp, self.path, self.inputs)
 
     def abort(self) -> None:
-        if not self.stream.closed:
+        try:
             self.stream.close()
+        except OSError:  # flushing what a full disk refused fails again: the file goes anyway
+            pass
         self.tmp.unlink(missing_ok=True)

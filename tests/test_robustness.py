@@ -785,6 +785,33 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(command, tiny_ckpt, tiny_eng
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.wav"]
 
 
+@pytest.mark.parametrize("full", ["wav", "codes"])
+def test_a_streamed_run_onto_a_full_disk_is_one_line_and_leaves_nothing(full, tiny_engine, tmp_path):
+    """A truly full file system (a tmpfs: needs root), where the file-size limit above cannot stand in: flushing the
+    growing wav failed again while it was being removed (a traceback, the partial file left), and a --codes-out that
+    failed left the streamed wav's partial file beside its target."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        with open(disk / "fill", "wb") as f:
+            try:
+                f.write(bytes(1 << 20))
+            except OSError:
+                pass
+        out = disk / "o.wav" if full == "wav" else tmp_path / "o.wav"
+        extra = ["--codes-out", disk / "c.npy"] if full == "codes" else []
+        code, stderr = higgs("run", "--engine", tiny_engine, "--text", "Hello there, a few words.", "--out", out,
+                             "--stream", *extra)
+        errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+        assert code == 1 and len(errors) == 1 and "No space left on device" in errors[0], stderr
+        assert sorted(p.name for p in disk.iterdir()) == ["fill"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 @pytest.mark.parametrize("command", ["tiny-checkpoint", "export"])
 def test_an_empty_mount_point_as_out_is_refused_before_any_work(command, tiny_ckpt, tmp_path):
     """An output directory is swapped in by a rename, which a mount point refuses: before, the whole export ran, then
