@@ -10,6 +10,7 @@ from pathlib import Path
 from higgs_trt.runtime.decoding import AUDIO_VOCAB, NUM_CODEBOOKS
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.jsonfile import read_json
+from higgs_trt.runtime.options import MIN_MAX_SEQ
 
 DEFAULT_ROPE_THETA = 1e6  # some revisions ship `rope_theta: null`; every implementation uses 1e6
 
@@ -52,12 +53,16 @@ def _require(cond: bool, what: str) -> None:
         raise HiggsError(f"config.json: {what}")
 
 
+MINIMA = {"max_position_embeddings": MIN_MAX_SEQ}  # fewer positions than the shortest cache: no engine to build
+
+
 def _int(section: dict, where: str, key: str, default=None) -> int:
-    """A size: a JSON integer (not a string, float or bool) in 1..LIMITS[key]."""
+    """A size: a JSON integer (not a string, float or bool) in MINIMA[key] (else 1)..LIMITS[key]."""
     value = section.get(key, default)
+    low = MINIMA.get(key, 1)
     _require(value is not None, f"{where} lacks {key!r}")
     _require(type(value) is int, f"{where}.{key} must be an integer, got {value!r}")
-    _require(1 <= value <= LIMITS[key], f"{where}.{key} is {value}, outside 1..{LIMITS[key]}")
+    _require(low <= value <= LIMITS[key], f"{where}.{key} is {value}, outside {low}..{LIMITS[key]}")
     return value
 
 

@@ -43,13 +43,14 @@ def within(option: str, value: int, low: int, high: int, why: str = "") -> int:
 
 
 DEFAULT_MAX_SEQ = 2048
+MIN_MAX_SEQ = 16  # the shortest cache an engine is exported with
 
 
 def cache_length(max_seq: int | None, max_position_embeddings: int) -> int:
     """--max-seq as given (16 up to the model's positions), else 2048 or the model's positions if fewer."""
     if max_seq is None:
         return min(DEFAULT_MAX_SEQ, max_position_embeddings)
-    return within("--max-seq", max_seq, 16, max_position_embeddings, "the model's max_position_embeddings")
+    return within("--max-seq", max_seq, MIN_MAX_SEQ, max_position_embeddings, "the model's max_position_embeddings")
 
 
 def prompt_length(max_seq: int) -> int:

@@ -359,6 +359,9 @@ CHECKPOINT = [
          "num_key_value_heads is 0, outside 1..1024"),
     Case("max-positions-negative", lambda w: w.run_torch(w.config(lambda t, r: t.update(max_position_embeddings=-1))),
          "max_position_embeddings is -1"),
+    Case("max-positions-below-a-cache", lambda w: ["export", "--checkpoint", w.config(
+        lambda t, r: t.update(max_position_embeddings=15)), "--out", w.tmp / "e"],
+         "text_config.max_position_embeddings is 15, outside 16..4194304"),  # exported an engine that cannot speak
     Case("rope-parameters-a-list", lambda w: w.run_torch(w.config(lambda t, r: t.update(rope_parameters=[1]))),
          "rope_parameters and rope_scaling must be objects"),
     Case("delay-pattern-a-string", lambda w: w.run_torch(w.config(
