@@ -106,10 +106,13 @@ def _check_shape(path, channels: int, frames: int, rate: int) -> None:
     if rate < MIN_RATE:
         raise HiggsError(f"{path}: sampled at {rate} Hz; reference audio needs at least {MIN_RATE} Hz")
     seconds = frames / rate
+    # rounded away from the bound, so that 0.99996 s does not read "1.00 s … needs at least 1 s"
     if seconds < MIN_SECONDS:
-        raise HiggsError(f"{path}: {seconds:.2f} s of audio; a reference needs at least {MIN_SECONDS:g} s")
+        raise HiggsError(f"{path}: {math.floor(seconds * 100) / 100:.2f} s of audio; a reference needs at least "
+                         f"{MIN_SECONDS:g} s")
     if seconds > MAX_SECONDS:
-        raise HiggsError(f"{path}: {seconds:.1f} s of audio; a reference may be at most {MAX_SECONDS:g} s (trim it)")
+        raise HiggsError(f"{path}: {math.ceil(seconds * 10) / 10:.1f} s of audio; a reference may be at most "
+                         f"{MAX_SECONDS:g} s (trim it)")
 
 
 def _fit(x: np.ndarray, length: int) -> np.ndarray:

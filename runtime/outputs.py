@@ -63,12 +63,19 @@ def _check_inputs(path: Path, target: Path, inputs, directory: bool) -> None:
         if given is None:
             continue
         source = _resolve(Path(given))
-        if target == source:
+        if target == source or _same_file(target, source):  # also through a hard link
             raise HiggsError(f"{path}: is an input of this command ({given}); write somewhere else")
         if source in target.parents:
             raise HiggsError(f"{path}: lies inside {given}, an input of this command; write somewhere else")
         if directory and target in source.parents:
             raise HiggsError(f"{path}: contains {given}, an input of this command; write somewhere else")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def _check_model_dirs(path: Path, target: Path) -> None:

@@ -193,6 +193,11 @@ def _special(directory: Path, name: str, kind: str) -> Path:
     return directory
 
 
+def _hard_link(source: Path, link: Path) -> Path:
+    os.link(source, link)
+    return link
+
+
 def _file(w: World, content: str = "x") -> Path:
     (w.tmp / "f").write_text(content)
     return w.tmp / "f"
@@ -603,6 +608,9 @@ OUTPUTS = [
     Case("out-inside-engine", lambda w: w.run_ort(w.engine, out=w.engine / "x.wav"), "lies inside"),
     Case("out-is-ref-codes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
                                                  out=w.tmp / "ref.npy"), "is an input of this command"),
+    Case("out-a-hard-link-of-ref-codes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
+                                                            out=_hard_link(w.tmp / "ref.npy", w.tmp / "out.wav")),
+         "out.wav: is an input of this command"),
     Case("out-parent-missing", lambda w: w.run_ort(w.engine, out=w.tmp / "no" / "such.wav"), "does not exist"),
     Case("out-parent-a-file", lambda w: w.run_ort(w.engine, out=_file(w) / "x.wav"), "is not a directory"),
     Case("out-inside-another-engine", lambda w: w.run_ort(w.engine, out=w.engine_copy() / MANIFEST),
