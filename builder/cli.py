@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from higgs_trt.runtime import extras, trt_shim
+from higgs_trt.runtime.click_types import PATH
 from higgs_trt.runtime.errors import HiggsError
 
 
@@ -18,10 +19,10 @@ def say(msg: str) -> None:
 
 
 @click.command("build")
-@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
+@click.option("--checkpoint", type=PATH, required=True, help="Checkpoint directory.")
 @click.option("--target", help="TensorRT-RTX target (e.g. sm89); default: TensorRT for the local GPU.")
 @click.option("--max-seq", type=int, default=1024, show_default=True)
-@click.option("--workdir", type=click.Path(path_type=Path), help="Keep the engine directories here.")
+@click.option("--workdir", type=PATH, help="Keep the engine directories here.")
 def bench_build(checkpoint, target, max_seq, workdir):
     """Build BF16 and FP8 engines side by side: plan sizes, their ratio, build times, FP8 gate figures."""
     import json
@@ -117,7 +118,7 @@ def bench_attention():
 
 
 @click.command("codec")
-@click.option("--checkpoint", type=click.Path(path_type=Path), required=True,
+@click.option("--checkpoint", type=PATH, required=True,
               help="Checkpoint whose codec to time (`tiny-checkpoint --size real`: random weights at Higgs' dimensions).")
 @click.option("--windows", default="1,8,64", show_default=True, help="Windows per call, comma-separated (1 to 256).")
 def bench_codec(checkpoint, windows):
@@ -202,7 +203,7 @@ def bench_weight_stream(precision, rings, blocks, check, nvcc):
 
 
 @click.command("export")
-@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
+@click.option("--checkpoint", type=PATH, required=True, help="Checkpoint directory.")
 @click.option("--max-seq", type=int, default=2048, show_default=True)
 def bench_export(checkpoint, max_seq):
     """Peak memory of `export` (a child process) as a multiple of the checkpoint's size on disk."""
@@ -228,7 +229,7 @@ def bench_export(checkpoint, max_seq):
 
 
 @click.command("checkpoint")
-@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
+@click.option("--checkpoint", type=PATH, required=True, help="Checkpoint directory.")
 @click.option("--repeats", type=click.IntRange(1, 100), default=3, show_default=True)
 def bench_checkpoint(checkpoint, repeats):
     """What the non-finite weight check costs: seconds per GiB of float tensors (every run after the first reads
@@ -267,7 +268,7 @@ def fp8_options(command):
     for option in reversed([
         click.option("--precision", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
                      help="fp8: FP8 GEMMs (per-tensor activation, per-channel weight scales) via explicit Q/DQ."),
-        click.option("--calibration", type=click.Path(path_type=Path),
+        click.option("--calibration", type=PATH,
                      help="FP8 scales from `higgs-trt calibrate` [default: calibrate now on the built-in prompts]."),
         click.option("--gate-cosine", type=float, default=DEFAULT_COSINE, show_default=True,
                      help="FP8 gate: refuse if any teacher-forced step's logits cosine vs BF16 is below this."),
@@ -290,8 +291,8 @@ def check_fp8_options(precision: str, options: set[str], gate_cosine: float, gat
 
 
 @click.command()
-@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
-@click.option("--out", type=click.Path(path_type=Path),
+@click.option("--checkpoint", type=PATH, required=True, help="Checkpoint directory.")
+@click.option("--out", type=PATH,
               help="Engine directory [default: engines/<checkpoint name>]: new, empty, or an engine directory to replace.")
 @click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
               help="native: RoPE/KV-cache/attention and the codebook step as standard ONNX ops TensorRT maps to its "
@@ -317,8 +318,8 @@ def export(ctx, checkpoint, out, ops, max_seq, max_batch, max_prompt, precision,
 
 
 @click.command()
-@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
-@click.option("--out", type=click.Path(path_type=Path),
+@click.option("--checkpoint", type=PATH, required=True, help="Checkpoint directory.")
+@click.option("--out", type=PATH,
               help="Engine directory [default: engines/<checkpoint name>]: new, empty, or an engine directory to replace.")
 @click.option("--ops", type=click.Choice(["native", "plugin"]), default="native", show_default=True,
               help="See `export --help`. Plugin plans built with --target hold build-only plugin twins: not runnable.")
@@ -351,8 +352,8 @@ def build(ctx, checkpoint, out, ops, target, lean, max_seq, max_batch, max_promp
 
 
 @click.command()
-@click.option("--checkpoint", type=click.Path(path_type=Path), required=True, help="Checkpoint directory.")
-@click.option("--out", type=click.Path(path_type=Path), required=True,
+@click.option("--checkpoint", type=PATH, required=True, help="Checkpoint directory.")
+@click.option("--out", type=PATH, required=True,
               help="calibration.json to write (new, or a file to replace; not inside the checkpoint).")
 @click.option("--statistic", type=click.Choice(["p999", "max"]), default="p999", show_default=True,
               help="Per-site activation amax: the 99.9th percentile of per-token maxima (chosen by measurement), "
@@ -419,16 +420,16 @@ def _not_a_compare_save(directory: Path) -> str | None:
 
 
 @click.command()
-@click.option("--engine", type=click.Path(path_type=Path), required=True, help="Engine directory.")
-@click.option("--checkpoint", type=click.Path(path_type=Path),
+@click.option("--engine", type=PATH, required=True, help="Engine directory.")
+@click.option("--checkpoint", type=PATH,
               help="The engine's checkpoint (for the torch runner; checked against the manifest).")
 @click.option("--runners", default="torch,ort,trt", show_default=True,
               help="Comma-separated, the first is the reference; trt is skipped where TensorRT is not usable.")
-@click.option("--prompts", type=click.Path(path_type=Path),
+@click.option("--prompts", type=PATH,
               help='JSON list of {"text": ..., optional "ref_text", "ref_codes"} '
                    '[default: the built-in held-out prompts].')
 @click.option("--steps", type=int, default=32, show_default=True, help="Teacher-forced decode steps per prompt.")
-@click.option("--save", type=click.Path(path_type=Path),
+@click.option("--save", type=PATH,
               help="Write inputs.json / outputs.json (Polygraphy's format) and report.json into this directory "
                    "(new, empty, or one an earlier --save wrote).")
 @click.option("--per-layer", is_flag=True,
@@ -493,7 +494,7 @@ def _recipe(name: str) -> dict:
 
 
 @click.command("tiny-checkpoint")
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=PATH)
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed 0..2**63-1 (same seed, same files).")
 @click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True,
               help="1: a single model.safetensors; more: sharded with model.safetensors.index.json.")

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .click_types import PATH, NonEmptyPath
 from .errors import HiggsError
 from .options import prompt_length
 from .outputs import remember_interrupts
@@ -113,10 +114,10 @@ def stream_plan_options(command):
 
 @main.command()
 @click.option("--text", required=True, help="Text to speak (inline style tags like <|emotion:elation|> allowed).")
-@click.option("--out", "out", type=click.Path(path_type=Path, allow_dash=True), required=True,
+@click.option("--out", "out", type=NonEmptyPath(path_type=Path, allow_dash=True), required=True,
               help="Output wav (24 kHz mono); with --stream, '-' writes raw PCM (s16le, 24 kHz, mono) to stdout.")
-@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory made by `higgs-trt export`.")
-@click.option("--checkpoint", type=click.Path(path_type=Path),
+@click.option("--engine", type=PATH, help="Engine directory made by `higgs-trt export`.")
+@click.option("--checkpoint", type=PATH,
               help="Checkpoint directory (torch backend); with --engine, checked to be the engine's source.")
 @click.option("--backend", type=click.Choice(["torch", "ort", "trt"]),
               help="torch: the GPU engine (--engine's weights or --checkpoint), or the fp32 reference on the CPU; "
@@ -127,8 +128,8 @@ def stream_plan_options(command):
                    "trt: lean loads --lean plans with tensorrt_lean.")
 @click.option("--precision", type=click.Choice(["bf16", "fp8"]), help=PRECISION_HELP)
 @codec_precision_option
-@click.option("--ref-codes", type=click.Path(path_type=Path), help="Voice clone: reference audio codes [T,8] (.npy).")
-@click.option("--ref-audio", type=click.Path(path_type=Path),
+@click.option("--ref-codes", type=PATH, help="Voice clone: reference audio codes [T,8] (.npy).")
+@click.option("--ref-audio", type=PATH,
               help="Voice clone: a reference recording (wav/flac/ogg/mp3, mono or stereo, 1–30 s), encoded with the "
                    "backend's codec encoder.")
 @click.option("--ref-text", help="Voice clone: transcript of the reference audio (needs --ref-codes or --ref-audio).")
@@ -136,7 +137,7 @@ def stream_plan_options(command):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely codes (0: all).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed 0..2**63-1: same seed, same audio.")
-@click.option("--codes-out", type=click.Path(path_type=Path), help="Also save the final frames [T,8] (.npy).")
+@click.option("--codes-out", type=PATH, help="Also save the final frames [T,8] (.npy).")
 @click.option("--max-seq", type=int, help=MAX_SEQ_HELP)
 @click.option("--stream", is_flag=True, help="Write audio as it is decoded (time to first audio on stderr).")
 @stream_plan_options
@@ -220,8 +221,8 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, codec_pr
 
 
 @main.command()
-@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory made by `higgs-trt export`.")
-@click.option("--checkpoint", type=click.Path(path_type=Path),
+@click.option("--engine", type=PATH, help="Engine directory made by `higgs-trt export`.")
+@click.option("--checkpoint", type=PATH,
               help="Checkpoint directory (torch backend); with --engine, checked to be the engine's source.")
 @click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="As for `run`. Default: ort with --engine, "
               "else torch.")
@@ -233,10 +234,10 @@ def run(ctx, text, out, engine, checkpoint, backend, device, precision, codec_pr
 @codec_precision_option
 @click.option("--max-batch", type=int, default=64, show_default=True,
               help="Engine slots: requests decoded together (at most what the engine was built for).")
-@click.option("--voices", "voices_dir", type=click.Path(path_type=Path),
+@click.option("--voices", "voices_dir", type=PATH,
               help="Named voices: NAME.wav|.flac|.ogg|.mp3 (a 1–30 s recording) or NAME.npy (codes [T,8]), each with an "
                    "optional NAME.txt transcript; `voice: NAME` picks one ('default' is zero-shot).")
-@click.option("--ref-dir", type=click.Path(path_type=Path),
+@click.option("--ref-dir", type=PATH,
               help="Requests may name reference audio below this directory (ref_audio: file://PATH); else only uploads.")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests waiting for a slot; past this, new ones get 429 with Retry-After.")
@@ -302,9 +303,9 @@ def stream_plan(first_chunk: int, chunk: int, context: int | None, holdback: int
 def encoder_source(command):
     """The options that pick a codec encoder: `encode-audio` and `bench encode`."""
     for option in reversed([
-        click.option("--engine", type=click.Path(path_type=Path),
+        click.option("--engine", type=PATH,
                      help="Engine directory (its codec_encoder graph or plan: ort or trt encoder)."),
-        click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch encoder)."),
+        click.option("--checkpoint", type=PATH, help="Checkpoint directory (torch encoder)."),
         click.option("--backend", type=click.Choice(["torch", "ort", "trt"]),
                      help="Default: ort with --engine, else torch."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto",
@@ -314,9 +315,9 @@ def encoder_source(command):
 
 
 @main.command("encode-audio")
-@click.option("--audio", type=click.Path(path_type=Path), required=True,
+@click.option("--audio", type=PATH, required=True,
               help="Reference recording: wav/flac/ogg/mp3, mono or stereo, 1–30 s.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Codes to write: frames [T,8] int32 (.npy).")
+@click.option("--out", type=PATH, required=True, help="Codes to write: frames [T,8] int32 (.npy).")
 @encoder_source
 @click.pass_context
 def encode_audio(ctx, audio, out, engine, checkpoint, backend, device):
@@ -362,8 +363,8 @@ def _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max_batch, 
 
 def bench_options(command):
     for option in reversed([
-        click.option("--engine", type=click.Path(path_type=Path), help="Engine directory."),
-        click.option("--checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory (torch backend)."),
+        click.option("--engine", type=PATH, help="Engine directory."),
+        click.option("--checkpoint", type=PATH, help="Checkpoint directory (torch backend)."),
         click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), help="Default: ort with --engine, else torch."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "lean"]), default="auto", show_default=True),
         click.option("--precision", type=click.Choice(["bf16", "fp8"])),

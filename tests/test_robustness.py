@@ -754,6 +754,18 @@ def test_a_model_with_fewer_positions_than_the_default_cache_takes_them_all(tiny
         engine_limits(config, 2048, 8, None)
 
 
+@pytest.mark.parametrize("argv", [["run", "--engine", "E", "--text", "Hi.", "--out", ""], ["tiny-checkpoint", ""],
+                                  ["export", "--checkpoint", "C", "--out", ""], ["run", "--engine", ""]],
+                         ids=["run-out", "tiny-checkpoint", "export-out", "run-engine"])
+def test_an_empty_path_is_a_usage_error_not_the_current_directory(argv, tiny_ckpt, tiny_engine, tmp_path, monkeypatch):
+    """Path("") is "." : `--out ""` was taken for the current directory ("Error: .: is a directory")."""
+    monkeypatch.chdir(tmp_path)
+    argv = [{"E": tiny_engine, "C": tiny_ckpt}.get(a, a) for a in argv]
+    r = CliRunner().invoke(main, [str(a) for a in argv])
+    assert r.exit_code == 2 and "an empty path names no file or directory" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("stdout, message", [("/dev/full", "standard output: cannot write (No space left on device)"),
                                              (None, "--out -: standard output is closed")])
 def test_streaming_to_a_stdout_that_fails_is_one_line(tiny_engine, stdout, message):
