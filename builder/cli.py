@@ -219,7 +219,7 @@ def bench_export(checkpoint, max_seq):
                             "--out", f"{tmp}/engine", "--max-seq", str(max_seq)], capture_output=True, text=True)
         seconds = time.perf_counter() - t0
         if r.returncode:
-            raise HiggsError(f"export failed: {r.stderr.strip().splitlines()[-1]}")
+            raise HiggsError(f"export failed: {r.stderr.strip().splitlines()[-1].removeprefix('Error: ')}")
         engine_bytes = sum(f.stat().st_size for f in Path(tmp, "engine").iterdir())
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     gib = 1 << 30

@@ -30,7 +30,7 @@ from higgs_trt.calibration.qdq import insert_qdq
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
 from higgs_trt.runtime.manifest import write_manifest
-from higgs_trt.runtime.options import cache_length, prompt_length
+from higgs_trt.runtime.options import cache_length, prompt_length, within
 from higgs_trt.runtime.outputs import output_engine_dir, staged_dir
 from higgs_trt.runtime.streaming import receptive_field
 
@@ -233,9 +233,9 @@ def engine_limits(config, max_seq: int | None, max_batch: int, max_prompt: int |
     or half of max_seq if less."""
     max_seq = cache_length(max_seq, config.max_position_embeddings)
     max_prompt = prompt_length(max_seq) if max_prompt is None else max_prompt
-    if not 1 <= max_prompt < max_seq or not 1 <= max_batch <= MAX_BATCH:
-        raise HiggsError(f"need 1 ≤ --max-prompt < --max-seq and 1 ≤ --max-batch ≤ {MAX_BATCH} "
-                         f"(got {max_prompt}, {max_seq}, {max_batch})")
+    if not 1 <= max_prompt < max_seq:
+        raise HiggsError(f"--max-prompt must lie in 1..{max_seq - 1} (below --max-seq, {max_seq}), got {max_prompt}")
+    within("--max-batch", max_batch, 1, MAX_BATCH)
     return {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt}
 
 

@@ -261,6 +261,8 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, precision, codec
     with extras.needed("serve", "higgs-trt serve"):
         from .server import EngineThread, SpeechService, load_voices
         from .server import serve as run_server
+    if not host.strip():  # uvicorn would listen on every interface and log http://:PORT
+        raise HiggsError("--host is empty; give an address (127.0.0.1, or 0.0.0.0 for every interface)")
     within("--port", port, 0, 65535)
     within("--max-batch", max_batch, 1, 4096)
     within("--max-queue", max_queue, 1, 1_000_000)

@@ -132,6 +132,15 @@ def load_reference_codes(path: Path) -> np.ndarray:
 
 def check_reference_codes(codes, what: str) -> np.ndarray:
     """Reference audio codes as an int32 array [T, 8] of 0..1023, refused otherwise (`what` names their source)."""
+    if isinstance(codes, list):  # from JSON, where numpy would read true as 1 and 2**70 or "abc" as objects
+        values = [c for row in codes if isinstance(row, list) for c in row]
+        odd = next((c for c in values if type(c) is not int), None)
+        if odd is not None:
+            kind = {bool: "a boolean", float: "a number with a fraction or exponent", str: "a string",
+                    type(None): "null", dict: "an object", list: "an array"}.get(type(odd), type(odd).__name__)
+            raise HiggsError(f"{what}: reference codes must be integers, got {kind}")
+        if any(not 0 <= c < CODEBOOK_SIZE for c in values):
+            raise HiggsError(f"{what}: reference codes must lie in 0..{CODEBOOK_SIZE - 1}")
     try:
         codes = np.asarray(codes)
     except (ValueError, TypeError):

@@ -565,9 +565,9 @@ OPTIONS = [
          "--backend ort needs --engine"),
     Case("no-model", lambda w: ["run", "--text", "Hi", "--out", w.out], "give --engine DIR"),
     Case("export-max-batch-zero", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--max-batch", 0],
-         "1 ≤ --max-batch ≤ 1024"),
+         "--max-batch must lie in 1..1024, got 0"),
     Case("export-max-prompt-zero", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--max-prompt", 0],
-         "1 ≤ --max-prompt < --max-seq"),
+         "--max-prompt must lie in 1..2047 (below --max-seq, 2048), got 0"),
     Case("export-max-seq-beyond-model", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e",
                                                    "--max-seq", 10**9], "max_position_embeddings), got 1000000000"),
     Case("export-calibration-with-bf16", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e",
@@ -684,6 +684,12 @@ PROMPTS = [
          "a ragged or non-numeric list"),
     Case("ref-codes-floats", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [[0.5] * 8]}])),
          "must be integers"),
+    Case("ref-codes-a-boolean", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [[1, True] + [1] * 6]}])),
+         "reference codes must be integers, got a boolean"),  # numpy took true as the code 1
+    Case("ref-codes-past-int64", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [[2**70] * 8]}])),
+         "reference codes must lie in 0..1023"),  # "must be integers, got object"
+    Case("ref-codes-a-string", lambda w: w.compare(w.prompts([{"text": "hi", "ref_codes": [["abc"] * 8]}])),
+         "reference codes must be integers, got a string"),  # "got []"
     Case("ref-codes-nan", lambda w: w.compare(w.prompts(b'[{"text": "hi", "ref_codes": [[NaN, 1, 1, 1, 1, 1, 1, 1]]}]')),
          "NaN is not a JSON number"),
     Case("ref-text-without-codes", lambda w: w.compare(w.prompts([{"text": "hi", "ref_text": "x"}])),
