@@ -397,7 +397,7 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
     from .options import sizes, within
     from .prompt import build_prompt
 
-    batch_sizes = sizes("--batches", batches or "1,8,64", 512)
+    batch_sizes = sizes("--batches", "1,8,64" if batches is None else batches, 512)
     within("--repeats", repeats, 1, 1000)
     within("--rows", rows, 8, 2048)
     model, tokenizer = _bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(batch_sizes), precision,
@@ -411,7 +411,7 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
         return
     from .bench import run_bench
 
-    batch = max(batch_sizes) if batches else min(max(batch_sizes), model.max_batch)
+    batch = max(batch_sizes) if batches is not None else min(max(batch_sizes), model.max_batch)
     within("--batches", batch, 1, model.max_batch, "the engine's slots")
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=0)):
         click.echo(run_bench(model, [prompt] * batch, sampling, repeats, rows).line())
@@ -495,12 +495,14 @@ def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
     per concurrency level (from sending the request to the first audio byte), underruns."""
     from . import extras
     from .options import seconds_within, server_url, sizes, within
+    from .prompt import check_text
 
     url = server_url("--url", url)
     levels = sizes("--concurrency", concurrency, 4096)
     within("--requests", requests, 0, 100_000)
     within("--max-new-tokens", max_new_tokens, 8, 2048)
     seconds_within("--wait", wait, 0, 86400)
+    check_text(text, "--text")  # here, not as 400s from the server after the wait for it
     with extras.needed("serve", "bench serve"):
         from .bench_serve import run_bench_serve
     run_bench_serve(url, levels, requests, max_new_tokens, text, voice, wait, say=say, echo=click.echo)

@@ -554,6 +554,10 @@ OPTIONS = [
          "--seconds must lie in 1..30 seconds, got nan"),
     Case("bench-serve-url-no-scheme", lambda w: ["bench", "serve", "--url", "not a url"],
          "--url must be a server's address, http(s)://HOST[:PORT] and no path, got 'not a url'"),
+    Case("bench-serve-empty-text", lambda w: ["bench", "serve", "--url", "http://127.0.0.1:9", "--text", ""],
+         "--text is empty"),  # sent to the server as it was
+    Case("bench-decode-batches-empty", lambda w: _bench_engine(w, "--batches", ""),
+         "--batches takes comma-separated integers, got ''"),  # the default was used
     Case("bench-serve-url-broken-ipv6", lambda w: ["bench", "serve", "--url", "http://[::1"], "Invalid IPv6 URL"),
     Case("bench-serve-port-out-of-range", lambda w: ["bench", "serve", "--url", "http://127.0.0.1:99999"],
          "Port out of range"),
