@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from higgs_trt.runtime import extras, trt_shim
-from higgs_trt.runtime.click_types import PATH
+from higgs_trt.runtime.click_types import FILE_OUT, PATH
 from higgs_trt.runtime.errors import HiggsError
 
 
@@ -353,7 +353,7 @@ def build(ctx, checkpoint, out, ops, target, lean, max_seq, max_batch, max_promp
 
 @click.command()
 @click.option("--checkpoint", type=PATH, required=True, help="Checkpoint directory.")
-@click.option("--out", type=PATH, required=True,
+@click.option("--out", type=FILE_OUT, required=True,
               help="calibration.json to write (new, or a file to replace; not inside the checkpoint).")
 @click.option("--statistic", type=click.Choice(["p999", "max"]), default="p999", show_default=True,
               help="Per-site activation amax: the 99.9th percentile of per-token maxima (chosen by measurement), "

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .click_types import PATH, NonEmptyPath
+from .click_types import FILE_OUT, PATH, NonEmptyPath
 from .errors import HiggsError
 from .options import prompt_length
 from .outputs import remember_interrupts
@@ -114,7 +114,7 @@ def stream_plan_options(command):
 
 @main.command()
 @click.option("--text", required=True, help="Text to speak (inline style tags like <|emotion:elation|> allowed).")
-@click.option("--out", "out", type=NonEmptyPath(path_type=Path, allow_dash=True), required=True,
+@click.option("--out", "out", type=NonEmptyPath(allow_dash=True, file_output=True), required=True,
               help="Output wav (24 kHz mono); with --stream, '-' writes raw PCM (s16le, 24 kHz, mono) to stdout.")
 @click.option("--engine", type=PATH, help="Engine directory made by `higgs-trt export`.")
 @click.option("--checkpoint", type=PATH,
@@ -137,7 +137,7 @@ def stream_plan_options(command):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely codes (0: all).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed 0..2**63-1: same seed, same audio.")
-@click.option("--codes-out", type=PATH, help="Also save the final frames [T,8] (.npy).")
+@click.option("--codes-out", type=FILE_OUT, help="Also save the final frames [T,8] (.npy).")
 @click.option("--max-seq", type=int, help=MAX_SEQ_HELP)
 @click.option("--stream", is_flag=True, help="Write audio as it is decoded (time to first audio on stderr).")
 @stream_plan_options
@@ -319,7 +319,7 @@ def encoder_source(command):
 @main.command("encode-audio")
 @click.option("--audio", type=PATH, required=True,
               help="Reference recording: wav/flac/ogg/mp3, mono or stereo, 1–30 s.")
-@click.option("--out", type=PATH, required=True, help="Codes to write: frames [T,8] int32 (.npy).")
+@click.option("--out", type=FILE_OUT, required=True, help="Codes to write: frames [T,8] int32 (.npy).")
 @encoder_source
 @click.pass_context
 def encode_audio(ctx, audio, out, engine, checkpoint, backend, device):

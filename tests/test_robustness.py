@@ -764,15 +764,22 @@ def test_a_model_with_fewer_positions_than_the_default_cache_takes_them_all(tiny
         engine_limits(config, 2048, 8, None)
 
 
-@pytest.mark.parametrize("argv", [["run", "--engine", "E", "--text", "Hi.", "--out", ""], ["tiny-checkpoint", ""],
-                                  ["export", "--checkpoint", "C", "--out", ""], ["run", "--engine", ""]],
-                         ids=["run-out", "tiny-checkpoint", "export-out", "run-engine"])
-def test_an_empty_path_is_a_usage_error_not_the_current_directory(argv, tiny_ckpt, tiny_engine, tmp_path, monkeypatch):
-    """Path("") is "." : `--out ""` was taken for the current directory ("Error: .: is a directory")."""
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--engine", "E", "--text", "Hi.", "--out", ""], "an empty path names no file or directory"),
+    (["tiny-checkpoint", ""], "an empty path names no file or directory"),
+    (["export", "--checkpoint", "C", "--out", ""], "an empty path names no file or directory"),
+    (["run", "--engine", ""], "an empty path names no file or directory"),
+    (["run", "--engine", "E", "--text", "Hi.", "--out", "x.wav/"], "'x.wav/' names a directory"),
+    (["run", "--engine", "E", "--text", "Hi.", "--out", "x.wav", "--codes-out", "c.npy/."], "'c.npy/.' names a directory"),
+], ids=["run-out", "tiny-checkpoint", "export-out", "run-engine", "out-slash", "codes-out-slash-dot"])
+def test_an_empty_path_or_a_file_named_as_a_directory_is_a_usage_error(argv, message, tiny_ckpt, tiny_engine, tmp_path,
+                                                                        monkeypatch):
+    """Path("") is "." and Path("x.wav/") is "x.wav": `--out ""` was taken for the current directory ("Error: .: is a
+    directory"), and `--out x.wav/` wrote the file x.wav."""
     monkeypatch.chdir(tmp_path)
     argv = [{"E": tiny_engine, "C": tiny_ckpt}.get(a, a) for a in argv]
     r = CliRunner().invoke(main, [str(a) for a in argv])
-    assert r.exit_code == 2 and "an empty path names no file or directory" in r.stderr, r.stderr
+    assert r.exit_code == 2 and message in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
 
 
