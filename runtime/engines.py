@@ -175,6 +175,8 @@ def open_encoder(sources: Sources, device: str = "auto"):
 
         if not has_encoder(ckpt):
             raise HiggsError(f"{ckpt.dir}: carries no codec encoder tensors; clone from reference codes (--ref-codes)")
+        if device == "cuda":
+            extras.require_cuda("--device cuda")
         return TorchEncoder(ckpt, None if device in ("auto", "lean") else device)
     if "codec_encoder" not in engine.manifest["graphs"]:
         raise HiggsError(f"{engine.path}: has no codec encoder (codec_encoder.onnx): its checkpoint carries no encoder "

@@ -193,6 +193,13 @@ def _special(directory: Path, name: str, kind: str) -> Path:
     return directory
 
 
+def _voice(w: World) -> Path:
+    import soundfile
+
+    soundfile.write(w.tmp / "voice.flac", 0.5 * np.sin(np.arange(48000) * 2 * np.pi * 220 / 24000), 24000)
+    return w.tmp / "voice.flac"
+
+
 def _hard_link(source: Path, link: Path) -> Path:
     os.link(source, link)
     return link
@@ -325,6 +332,7 @@ class Case:
     args: Callable[[World], list]
     message: str  # must appear in the one Error: line
     subprocess: bool = False
+    without_gpu: bool = False  # bad input only where torch has no CUDA
 
 
 CHECKPOINT = [
@@ -505,6 +513,11 @@ TEXT = [
     Case("ref-codes-text", lambda w: w.run_ort(w.engine, "--ref-codes", _file(w, "RIFF and more")),
          "not an .npy file (codes [T, 8]"),  # numpy called it pickled data
     Case("ref-codes-npz", lambda w: w.run_ort(w.engine, "--ref-codes", _npz(w)), "not an .npy file"),  # 'got [1]'
+    Case("encode-audio-cuda-without-a-gpu", lambda w: ["encode-audio", "--checkpoint", w.ckpt, "--device", "cuda",
+                                                       "--audio", _voice(w), "--out", w.tmp / "c.npy"],
+         "--device cuda needs torch built with CUDA", without_gpu=True),  # torch's AssertionError traceback
+    Case("bench-encode-cuda-without-a-gpu", lambda w: ["bench", "encode", "--checkpoint", w.ckpt, "--device", "cuda"],
+         "--device cuda needs torch built with CUDA", without_gpu=True),
     Case("ref-audio-a-device", lambda w: w.run_ort(w.engine, "--ref-audio", "/dev/zero"),
          "/dev/zero: reference audio is not a regular file"),  # 'not found'
     Case("too-long-for-engine", lambda w: w.run_ort(w.engine, text="word " * 120), "the engine's prefill takes at most 96"),
@@ -716,6 +729,8 @@ def test_the_table_is_large_and_covers_every_kind():
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_refused_in_one_line(case, tiny_ckpt, tiny_engine, tmp_path):
+    if case.without_gpu and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
     w = World(tmp_path, tiny_ckpt, tiny_engine)
     args = case.args(w)
     before = snapshot(tmp_path, tiny_ckpt, tiny_engine)
