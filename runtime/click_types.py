@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from .outputs import NAME_MAX
+
 
 class NonEmptyPath(click.Path):
     def __init__(self, *, file_output: bool = False, **kwargs):
@@ -16,6 +18,10 @@ class NonEmptyPath(click.Path):
     def convert(self, value, param, ctx):
         if value == "":
             self.fail("an empty path names no file or directory", param, ctx)
+        longest = max((len(os.fsencode(part)) for part in str(value).split(os.sep)), default=0)
+        if longest > NAME_MAX:  # else the first stat() of it raises ENAMETOOLONG wherever that happens to be
+            self.fail(f"a part of it is {longest} bytes long; a file or directory name holds at most {NAME_MAX}",
+                      param, ctx)
         if self.file_output and isinstance(value, str) and value.rstrip(".").endswith(os.sep) and value != "-":
             self.fail(f"{value!r} names a directory (its last part is empty or a dot); give a file name", param, ctx)
         return super().convert(value, param, ctx)

@@ -39,6 +39,7 @@ TAG = "higgs-trt"
 WRITE_FAILURES = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a full disk, a file-size limit, a quota
 KINDS = ("partial", "staging", "old")
 LIST_LIMIT = 5
+NAME_MAX = 255  # bytes in one path component (Linux file systems)
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # builder/checkpoint.py's two layouts
 
 
@@ -99,7 +100,15 @@ def _probe(path: Path, directory: Path, target: Path, kind: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(dir=directory, prefix=_beside(target, kind)))
     except OSError as e:
-        raise HiggsError(f"{path}: cannot be written in {directory} ({e.strerror or e})") from None
+        raise _unwritable(path, directory, target, kind, e) from None
+
+
+def _unwritable(path: Path, directory: Path, target: Path, kind: str, e: OSError) -> HiggsError:
+    if e.errno == errno.ENAMETOOLONG:  # the user's name is legal; ours beside it is longer
+        longer = len(os.fsencode(_beside(target, kind))) + 8 - len(os.fsencode(target.name))  # mk*temp adds 8
+        return HiggsError(f"{path}: name too long: it is written first under a temporary name {longer} bytes longer; "
+                          f"use at most {NAME_MAX - longer} bytes")
+    return HiggsError(f"{path}: cannot be written in {directory} ({e.strerror or e})")
 
 
 def output_file(path: Path, inputs=(), probe: bool = True) -> Path:
@@ -257,7 +266,7 @@ def partial_file(path: Path, inputs=()) -> tuple[Path, Path]:
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_beside(target, "partial"))
     except OSError as e:
-        raise HiggsError(f"{path}: cannot be written in {target.parent} ({e.strerror or e})") from None
+        raise _unwritable(path, target.parent, target, "partial", e) from None
     os.close(fd)
     return target, Path(tmp)
 

@@ -628,6 +628,8 @@ OUTPUTS = [
     Case("out-a-hard-link-of-ref-codes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
                                                             out=_hard_link(w.tmp / "ref.npy", w.tmp / "out.wav")),
          "out.wav: is an input of this command"),
+    Case("out-a-name-too-long-for-its-temp-name", lambda w: w.run_ort(w.engine, out=w.tmp / ("z" * 230 + ".wav")),
+         "name too long: it is written first under a temporary name"),  # "cannot be written in DIR (File name too long)"
     Case("out-parent-missing", lambda w: w.run_ort(w.engine, out=w.tmp / "no" / "such.wav"), "does not exist"),
     Case("out-parent-a-file", lambda w: w.run_ort(w.engine, out=_file(w) / "x.wav"), "is not a directory"),
     Case("out-inside-another-engine", lambda w: w.run_ort(w.engine, out=w.engine_copy() / MANIFEST),
@@ -786,7 +788,10 @@ def test_a_model_with_fewer_positions_than_the_default_cache_takes_them_all(tiny
     (["run", "--engine", ""], "an empty path names no file or directory"),
     (["run", "--engine", "E", "--text", "Hi.", "--out", "x.wav/"], "'x.wav/' names a directory"),
     (["run", "--engine", "E", "--text", "Hi.", "--out", "x.wav", "--codes-out", "c.npy/."], "'c.npy/.' names a directory"),
-], ids=["run-out", "tiny-checkpoint", "export-out", "run-engine", "out-slash", "codes-out-slash-dot"])
+    (["run", "--engine", "E", "--text", "Hi.", "--out", "a" * 256], "a part of it is 256 bytes long"),  # traceback
+    (["encode-audio", "--engine", "E", "--audio", "x" * 300 + ".wav", "--out", "c.npy"], "304 bytes long"),
+], ids=["run-out", "tiny-checkpoint", "export-out", "run-engine", "out-slash", "codes-out-slash-dot", "out-256-bytes",
+        "input-300-bytes"])
 def test_an_empty_path_or_a_file_named_as_a_directory_is_a_usage_error(argv, message, tiny_ckpt, tiny_engine, tmp_path,
                                                                         monkeypatch):
     """Path("") is "." and Path("x.wav/") is "x.wav": `--out ""` was taken for the current directory ("Error: .: is a
