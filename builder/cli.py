@@ -196,6 +196,8 @@ def bench_weight_stream(precision, rings, blocks, check, nvcc):
         if built.returncode != 0:
             lines = (built.stderr or built.stdout).strip().splitlines() or ["no output"]
             raise HiggsError(f"nvcc failed on {source.name}: {lines[0]}")
+        if not program.is_file():
+            raise HiggsError(f"{compiler} exited 0 but wrote no program (is --nvcc the CUDA compiler?)")
         args = [str(program), "--precision", precision, "--rings", ",".join(map(str, ring_sizes)),
                 "--blocks", ",".join(map(str, block_counts))]
         if subprocess.run(args + (["--check"] if check else [])).returncode != 0:

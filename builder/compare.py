@@ -245,7 +245,9 @@ def compare(engine_dir: Path, checkpoint: Path | None, runners: list[str], promp
     if len(available) < 2:
         raise HiggsError(f"need at least two runners to compare; available here: {', '.join(available) or 'none'}")
 
-    say(f"  building teacher-forced feeds ({steps} steps per prompt, reference: "
+    max_seq = engine.manifest["limits"]["max_seq"]  # the cache holds a prompt and its steps
+    capped = f", fewer where the {max_seq}-row cache ends first" if steps > max_seq - max(map(len, prompts)) else ""
+    say(f"  building teacher-forced feeds ({steps} steps per prompt{capped}, reference: "
         f"{'torch' if checkpoint else 'ort'})…")
     feeds = reference_feeds(engine, checkpoint, prompts, steps)
     say(f"  running {', '.join(available)} on {len(feeds)} feeds…")
