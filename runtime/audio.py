@@ -89,8 +89,8 @@ def _reference(source, name) -> ReferenceAudio:
     if peak > LOUDEST:  # float files only; the sum of two channels near float32's top overflows
         raise HiggsError(f"{name}: has samples up to {peak:.3g}, beyond ±{LOUDEST:g} (float audio lies within ±1)")
     mono = samples.mean(axis=1, dtype=np.float32)
-    if np.abs(mono).max() < SILENCE:
-        raise HiggsError(f"{name}: is silent (peak below −60 dBFS)")
+    if np.abs(mono - mono.mean(dtype=np.float64)).max() < SILENCE:  # a constant (DC) offset is not sound
+        raise HiggsError(f"{name}: is silent (peak below −60 dBFS once any DC offset is removed)")
     audio_24k = soxr.resample(mono, rate, SAMPLE_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
     audio_16k = soxr.resample(mono, rate, SEMANTIC_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
     audio_16k = _fit(audio_16k, math.ceil(len(audio_24k) * SEMANTIC_RATE / SAMPLE_RATE))

@@ -199,6 +199,7 @@ BAD_AUDIO = [
     ("a sample past 30 s", lambda p: write(p, np.tile(voice(1.0), (30, 1))[np.r_[0:30 * FILE_RATE, 0]]),
      "30.1 s of audio; a reference may be at most 30 s"),
     ("silent", lambda p: write(p, np.zeros((FILE_RATE * 2, 2), np.float32)), "is silent"),
+    ("a DC offset alone", lambda p: write(p, np.full((FILE_RATE * 2, 2), 0.5, np.float32)), "is silent"),
     ("nan", lambda p: write(p, np.where(np.arange(FILE_RATE * 2)[:, None] == 999, np.nan, voice(2.0)), subtype="FLOAT"),
      "NaN"),
     ("float32's top", lambda p: write(p, np.full((FILE_RATE * 2, 2), 3e38, np.float32), subtype="FLOAT"),
