@@ -131,7 +131,8 @@ def stream_plan_options(command):
 @click.option("--ref-codes", type=PATH, help="Voice clone: reference audio codes [T,8] (.npy).")
 @click.option("--ref-audio", type=PATH,
               help="Voice clone: a reference recording (wav/flac/ogg/mp3, mono or stereo, 1–30 s), encoded with the "
-                   "backend's codec encoder.")
+                   "backend's codec encoder. It and the text must fit the engine's prefill (the default 512 tokens: "
+                   "about 19 s of reference beside a sentence).")
 @click.option("--ref-text", help="Voice clone: transcript of the reference audio (needs --ref-codes or --ref-audio).")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 is greedy (argmax).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely codes (0: all).")

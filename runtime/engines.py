@@ -78,8 +78,7 @@ def check_prompt_fits(prompt, engine: EngineDir | None) -> None:
     """An engine's prefill takes at most the max-prompt it was exported with."""
     limit = engine.manifest["limits"]["max_prompt"] if engine else None
     if limit is not None and len(prompt) > limit:
-        raise HiggsError(f"{prompt.too_long}: the prompt takes {len(prompt)} tokens, the engine's prefill takes at most "
-                         f"{limit} (its --max-prompt)")
+        raise HiggsError(prompt.too_long(limit, "the engine's prefill (its --max-prompt) takes at most"))
 
 
 def open_engine(sources: Sources, *, device: str = "auto", max_batch: int = 1,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .decoding import CODEBOOK_SIZE, NUM_CODEBOOKS, apply_delay
+from .decoding import CODEBOOK_SIZE, FRAMES_PER_SECOND, NUM_CODEBOOKS, apply_delay
 from .errors import HiggsError
 from .inputs import CODES_BYTES, TOKENIZER_BYTES, input_file
 
@@ -63,11 +63,18 @@ class Prompt:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def too_long(self) -> str:
-        """How an error names a prompt too long for an engine: the text alone, or the text with reference audio."""
-        return f"text and reference audio ({int(self.is_audio.sum())} rows) too long" if self.is_audio.any() \
-            else "text too long"
+    def too_long(self, limit: int, what: str) -> str:
+        """The error for a prompt longer than `limit` tokens (`what` names the limit); with reference audio, how
+        long a reference fits beside this text (its frames and the delay pattern's NUM_CODEBOOKS - 1 rows)."""
+        audio = int(self.is_audio.sum())
+        message = (f"{'text and reference audio' if audio else 'text'} too long: the prompt takes {len(self)} tokens, "
+                   f"{what} {limit}")
+        if audio:
+            frames = limit - (len(self) - audio) - (NUM_CODEBOOKS - 1)
+            seconds = frames * 10 // FRAMES_PER_SECOND / 10  # rounded down: what is said to fit does
+            message += f"; beside this text a reference of at most {seconds:.1f} s fits" if frames > 0 else \
+                "; the text alone fills it"
+        return message
 
 
 class HiggsTokenizer:

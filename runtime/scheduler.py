@@ -76,12 +76,11 @@ class Request:
 def request_for(engine, prompt: Prompt, sampling: Sampling, hard_cap: int = HARD_CAP_ROWS, **callbacks) -> Request:
     """A request whose row cap fits the text and the engine's cache; refused if the prompt leaves too little room."""
     if len(prompt) > engine.max_prompt:
-        raise HiggsError(f"{prompt.too_long}: the prompt takes {len(prompt)} tokens, the engine's prefill takes at most "
-                         f"{engine.max_prompt}")
+        raise HiggsError(prompt.too_long(engine.max_prompt, "the engine's prefill takes at most"))
     room = engine.max_seq - len(prompt)
     if room < MIN_ROWS:
-        raise HiggsError(f"{prompt.too_long}: the prompt takes {len(prompt)} of the engine's {engine.max_seq} cache "
-                         f"positions, leaving room for {max(room, 0)} rows (at least {MIN_ROWS} are needed)")
+        raise HiggsError(prompt.too_long(engine.max_seq - MIN_ROWS, f"leaving fewer than {MIN_ROWS} of the engine's "
+                                         f"{engine.max_seq} cache positions for audio: it may take at most"))
     return Request(prompt, sampling, min(row_cap(prompt.text_chars, hard_cap), room), **callbacks)
 
 
