@@ -236,18 +236,22 @@ _interrupted = False
 def remember_interrupts() -> None:
     """From now on SIGINT raises KeyboardInterrupt as Python's handler does, and is remembered until the next call:
     one raised inside code whose exceptions Python only prints (a weakref callback, a __del__) let an export go on to
-    put its output in place and exit 0. Nothing is put in place after a remembered interrupt."""
+    put its output in place and exit 0. Nothing is put in place after a remembered interrupt. SIGTERM likewise, as
+    SystemExit(143) instead of dying where it lands, so that temp files and staging directories are removed."""
     global _interrupted
     _interrupted = False
 
     def handler(signum, frame):
         global _interrupted
         _interrupted = True
+        if signum == signal.SIGTERM:
+            raise SystemExit(128 + signum)
         signal.default_int_handler(signum, frame)
 
-    main = threading.current_thread() is threading.main_thread()
-    if main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, handler)
+    if threading.current_thread() is threading.main_thread():
+        for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+            if signal.getsignal(sig) is default:
+                signal.signal(sig, handler)
 
 
 def _unless_interrupted() -> None:

@@ -989,6 +989,25 @@ def test_a_killed_export_leaves_the_old_engine_and_the_next_export_removes_its_l
     EngineDir(target)
 
 
+def test_a_terminated_export_cleans_up_after_itself(tiny_ckpt, tiny_engine, tmp_path):
+    """SIGTERM (a supervisor stopping the command) is handled like Ctrl-C: the staging directory goes, the old engine
+    stays, exit code 143. Before, the process died where the signal landed and left its staging directory."""
+    from higgs_trt.runtime.manifest import EngineDir
+
+    target = shutil.copytree(tiny_engine, tmp_path / "engine")
+    args = ["--checkpoint", tiny_ckpt, "--out", target, "--max-seq", 160, "--max-batch", 4, "--max-prompt", 96]
+    child = subprocess.Popen([sys.executable, "-m", "higgs_trt.runtime.cli", "export", *map(str, args)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".engine.higgs-trt-staging.*/weights.bin")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 143 and "Traceback" not in stderr, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+    assert EngineDir(target).manifest["limits"]["max_seq"] == 160
+
+
 def test_only_the_litter_of_dead_processes_is_removed(tmp_path):
     from higgs_trt.runtime.outputs import remove_stale
 
