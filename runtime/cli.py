@@ -31,6 +31,10 @@ class Cli(click.Group):
             return super().invoke(ctx)
         except HiggsError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:  # a file the checks passed that vanished or changed while the command ran
+            if e.filename is None:
+                raise
+            raise click.ClickException(f"{e.filename}: {e.strerror or e}") from None
 
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
