@@ -267,6 +267,6 @@ def _reusable(out: Path, fingerprint: str, limits: dict, precision: str, calibra
             wanted = read_json(calibration)
         except HiggsError:
             return None  # let the export report the unreadable file
-        same = isinstance(wanted, dict) and wanted.get("content_sha256") == m.get("calibration", {}).get(
-            "content_sha256")
+        ours = m.get("calibration", {}).get("content_sha256")
+        same = isinstance(wanted, dict) and wanted.get("content_sha256") == ours
     return engine if same else None

@@ -22,7 +22,7 @@ class NonEmptyPath(click.Path):
         if longest > NAME_MAX:  # else the first stat() of it raises ENAMETOOLONG wherever that happens to be
             self.fail(f"a part of it is {longest} bytes long; a file or directory name holds at most {NAME_MAX}",
                       param, ctx)
-        if self.file_output and isinstance(value, str) and value.rstrip(".").endswith(os.sep) and value != "-":
+        if self.file_output and value != "-" and str(value).rstrip(".").endswith(os.sep):
             self.fail(f"{value!r} names a directory (its last part is empty or a dot); give a file name", param, ctx)
         return super().convert(value, param, ctx)
 

@@ -110,8 +110,8 @@ class EngineDir:
         for name, digest in m["files"].items():
             path = self.path / name
             if not path.is_file():
-                raise HiggsError(f"{self.path}: {name} is "
-                                 + (f"{kind_of(path.stat().st_mode)}, not a regular file" if path.exists() else "missing"))
+                what = f"{kind_of(path.stat().st_mode)}, not a regular file" if path.exists() else "missing"
+                raise HiggsError(f"{self.path}: {name} is {what}")
             if file_digest(path) != digest:
                 raise HiggsError(f"{self.path}: {name} does not match the manifest (changed, or copied from another export)")
 

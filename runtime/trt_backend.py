@@ -5,11 +5,11 @@ An engine graph for runtime/stepper.py: `lm(feeds, slot=None)` runs a prefill in
 bound at that slot's address) or a step over the first B slots. Buffers are allocated once, for max_batch slots (the
 caller's number, at most the plan's): device inputs sized for the longest prompt, pinned host staging for inputs and
 outputs, and the KV caches (`KvCaches`: one buffer per cache when the plan aliases `present_*` to `past_*`, two in
-ping-pong when it does not). A decode step is captured in a CUDA graph per batch size and cache side (host→device copies of the step
-inputs, the enqueue, device→host copies of logits and codes), replayed with one launch; when capture is refused
-the step falls back to a plain enqueue. The stepper chooses each row on the host (greedy codes come from the
-graph; sampling needs the logits), so a step ends with one stream synchronisation. The codec decodes windows of
-at most CODEC_MAX_FRAMES frames, up to max_batch of them at once.
+ping-pong when it does not). A decode step is captured in a CUDA graph per batch size and cache side (host→device
+copies of the step inputs, the enqueue, device→host copies of logits and codes), replayed with one launch; when
+capture is refused the step falls back to a plain enqueue. The stepper chooses each row on the host (greedy codes
+come from the graph; sampling needs the logits), so a step ends with one stream synchronisation. The codec decodes
+windows of at most CODEC_MAX_FRAMES frames, up to max_batch of them at once.
 
 Not run on any machine available to this project: datacenter TensorRT cannot be installed here and
 TensorRT-RTX does not run on Hopper. See README, "Verified / not verified here".
@@ -116,7 +116,7 @@ class TrtBackend:
             raise HiggsError(f"the TensorRT backend needs an NVIDIA GPU: {problem}")
         limits = m["limits"]
         self.max_seq, self.max_batch = limits["max_seq"], min(max_batch or limits["max_batch"], limits["max_batch"])
-        self.max_prompt = m["limits"]["max_prompt"]
+        self.max_prompt = limits["max_prompt"]
         self.codec_strides = tuple(m["codec"]["strides"])
         self.stream = cuda.Stream()
         self.logger = trt_shim.make_logger(trt)

@@ -500,11 +500,9 @@ TEXT = [
     Case("ref-text-structural", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((3, 8), int)),
                                                     "--ref-text", "I said <|audio|>"),
          "reference text may not contain the prompt token(s) <|audio|>"),
-    Case("ref-codes-a-fifo", lambda w: w.run_ort(w.engine, "--ref-codes", _special(w.tmp, "r.npy", "fifo") / "r.npy"),
-         "r.npy: is a fifo, not a regular file"),
+    Case("ref-codes-a-fifo", lambda w: w.run_ort(w.engine, "--ref-codes", _mkfifo(w)), "fifo: is a fifo, not a regular file"),
     Case("calibration-a-fifo", lambda w: ["export", "--checkpoint", w.ckpt, "--out", w.tmp / "e", "--precision", "fp8",
-                                          "--calibration", _special(w.tmp, "c.json", "fifo") / "c.json"],
-         "c.json: is a fifo, not a regular file"),
+                                          "--calibration", _mkfifo(w)], "fifo: is a fifo, not a regular file"),
     Case("ref-text-without-codes", lambda w: w.run_ort(w.engine, "--ref-text", "hello"), "--ref-text needs --ref-codes"),
     Case("ref-codes-header-claims-terabytes", lambda w: w.run_ort(w.engine, "--ref-codes", _ref_claiming(w, (10**12, 8))),
          "cannot read reference codes"),
@@ -681,7 +679,7 @@ OUTPUTS = [
 ]
 
 PROMPTS = [
-    Case("a-fifo", lambda w: w.compare(_special(w.tmp, "p.json", "fifo") / "p.json"), "p.json: is a fifo"),
+    Case("a-fifo", lambda w: w.compare(_mkfifo(w)), "fifo: is a fifo, not a regular file"),
     Case("missing", lambda w: w.compare(w.tmp / "none.json"), "none.json: not found"),
     Case("not-json", lambda w: w.compare(w.prompts(b"[{")), "not valid JSON"),
     Case("not-utf8", lambda w: w.compare(w.prompts(b'[{"text": "caf\xe9"}]')), "not UTF-8 (byte 0xe9"),
