@@ -617,7 +617,9 @@ def create_app(service: SpeechService) -> Starlette:
     routes = [Route("/v1/audio/speech", service.speech, methods=["POST"]),
               Route("/v1/models", service.models), Route("/v1/audio/voices", service.voice_names),
               Route("/health", service.health), Route("/metrics", service.metrics_text)]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # its 307 is built from the client's Host header, and says http behind TLS
+    return app
 
 
 def busy(why: str) -> ApiError:

@@ -405,6 +405,11 @@ def test_health_models_metrics(server):
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL_ID
     r = httpx.get(server.url + "/nowhere")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    # a trailing slash is another path, not a redirect built from the client's Host header (behind a TLS proxy
+    # that would send the client to plain http, or to whatever host it named)
+    r = httpx.post(server.url + SPEECH + "/", json=body(input=TEXT), headers={"Host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers, (r.status_code, r.headers)
+    assert r.json()["error"]["message"] == f"POST {SPEECH}/: Not Found"
     m = server.metrics()
     for name in ("higgs_time_to_first_audio_seconds_count", "higgs_queue_depth", "higgs_busy_slots",
                  "higgs_audio_seconds_total"):
