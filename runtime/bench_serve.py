@@ -25,6 +25,7 @@ from .speech_api import MODEL_ID
 from .wav import SAMPLE_RATE
 
 BYTES_PER_SECOND = 2 * SAMPLE_RATE  # pcm: s16le mono
+WAIT_REPORT_S = 30.0  # how often a wait for the server's /health says that it goes on
 
 
 async def _one(session: aiohttp.ClientSession, body: dict) -> tuple[float | None, list, str | None]:
@@ -81,7 +82,10 @@ async def _loop_totals(session: aiohttp.ClientSession) -> dict[str, float]:
 
 
 async def _wait_ready(url: str, wait: float, say) -> None:
-    deadline = time.perf_counter() + wait
+    """Until the server's /health is 200, saying every WAIT_REPORT_S that it still waits (a server that died at
+    start would otherwise leave the command silent for all of `wait`)."""
+    start = time.perf_counter()
+    deadline, report = start + wait, start + WAIT_REPORT_S
     async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=5.0)) as session:
         while True:
             try:
@@ -92,9 +96,13 @@ async def _wait_ready(url: str, wait: float, say) -> None:
                     status = f"{r.status} {(await r.text())[:200]}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 status = f"{type(e).__name__}"
-            if time.perf_counter() > deadline:
+            now = time.perf_counter()
+            if now > deadline:
                 raise HiggsError(f"{url}/health is not 200 after {wait:g} s (last: {status})")
-            await asyncio.sleep(1.0)
+            if now > report:
+                say(f"still waiting for {url}/health: {now - start:.0f} s of {wait:g} (last: {status})")
+                report += WAIT_REPORT_S
+            await asyncio.sleep(min(1.0, WAIT_REPORT_S))
 
 
 def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: int, text: str, voice: str,

@@ -494,7 +494,8 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
               show_default=True)
 @click.option("--voice", default="default", show_default=True)
 @click.option("--wait", type=float, default=600.0, show_default=True,
-              help="Seconds (0 to 86400) to wait for the server's /health to turn 200 before measuring.")
+              help="Seconds (0 to 86400) to wait for the server's /health to turn 200 before measuring (saying every "
+                   "30 s that it still waits).")
 def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
     """A running server measured at the client: streamed pcm over HTTP, audio-s/s and time to first audio p50/p95
     per concurrency level (from sending the request to the first audio byte), underruns."""

@@ -736,6 +736,18 @@ def test_bench_serve_without_a_server_is_one_error_line():
     assert r.output.count("\n") == 1 and "Traceback" not in r.output
 
 
+def test_bench_serve_says_that_it_still_waits_for_a_server(monkeypatch):
+    monkeypatch.setattr("higgs_trt.runtime.bench_serve.WAIT_REPORT_S", 0.5)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        r = CliRunner().invoke(main, ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--wait", "2"])
+    lines = r.output.splitlines()
+    assert r.exit_code == 1 and lines[-1].startswith("Error: ") and "is not 200 after 2 s" in lines[-1], r.output
+    assert len(lines) >= 3 and all(line.startswith(f"still waiting for http://127.0.0.1:{port}/health: ")
+                                   and line.endswith("s of 2 (last: ClientConnectorError)") for line in lines[:-1])
+
+
 def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tiny_ckpt, tmp_path):
     bad_voices = tmp_path / "voices"
     bad_voices.mkdir()
