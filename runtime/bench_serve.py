@@ -102,7 +102,7 @@ async def _wait_ready(url: str, wait: float, say) -> None:
             if now > report:
                 say(f"still waiting for {url}/health: {now - start:.0f} s of {wait:g} (last: {status})")
                 report += WAIT_REPORT_S
-            await asyncio.sleep(min(1.0, WAIT_REPORT_S))
+            await asyncio.sleep(1.0)
 
 
 def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: int, text: str, voice: str,

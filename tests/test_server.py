@@ -741,11 +741,11 @@ def test_bench_serve_says_that_it_still_waits_for_a_server(monkeypatch):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-        r = CliRunner().invoke(main, ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--wait", "2"])
-    lines = r.output.splitlines()
-    assert r.exit_code == 1 and lines[-1].startswith("Error: ") and "is not 200 after 2 s" in lines[-1], r.output
+        r = CliRunner().invoke(main, ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--wait", "3"])
+    lines = r.output.splitlines()  # polled each second: reports at 1 and 2 s, the error at 3
+    assert r.exit_code == 1 and lines[-1].startswith("Error: ") and "is not 200 after 3 s" in lines[-1], r.output
     assert len(lines) >= 3 and all(line.startswith(f"still waiting for http://127.0.0.1:{port}/health: ")
-                                   and line.endswith("s of 2 (last: ClientConnectorError)") for line in lines[:-1])
+                                   and line.endswith("s of 3 (last: ClientConnectorError)") for line in lines[:-1])
 
 
 def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tiny_ckpt, tmp_path):
