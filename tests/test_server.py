@@ -727,24 +727,26 @@ def test_bench_serve_prints_figures_per_level(server):
         assert admission > 0 and server > 0 and admission + server <= client, line
 
 
-def test_bench_serve_without_a_server_is_one_error_line():
+def _bench_serve_without_a_server(wait: str):
+    """`bench serve` against a port that refuses connections (bound, never listening): its result and URL."""
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]  # bound, never listening: connections are refused
-        r = CliRunner().invoke(main, ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--wait", "1"])
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        return CliRunner().invoke(main, ["bench", "serve", "--url", url, "--wait", wait]), url
+
+
+def test_bench_serve_without_a_server_is_one_error_line():
+    r, _ = _bench_serve_without_a_server("1")
     assert r.exit_code == 1 and r.output.startswith("Error: ") and "is not 200 after 1 s" in r.output, r.output
     assert r.output.count("\n") == 1 and "Traceback" not in r.output
 
 
 def test_bench_serve_says_that_it_still_waits_for_a_server(monkeypatch):
     monkeypatch.setattr("higgs_trt.runtime.bench_serve.WAIT_REPORT_S", 0.5)
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-        r = CliRunner().invoke(main, ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--wait", "3"])
+    r, url = _bench_serve_without_a_server("3")
     lines = r.output.splitlines()  # polled each second: reports at 1 and 2 s, the error at 3
     assert r.exit_code == 1 and lines[-1].startswith("Error: ") and "is not 200 after 3 s" in lines[-1], r.output
-    assert len(lines) >= 3 and all(line.startswith(f"still waiting for http://127.0.0.1:{port}/health: ")
+    assert len(lines) >= 3 and all(line.startswith(f"still waiting for {url}/health: ")
                                    and line.endswith("s of 3 (last: ClientConnectorError)") for line in lines[:-1])
 
 
