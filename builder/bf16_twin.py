@@ -2,9 +2,9 @@
 
 ONNX Runtime's CPU kernels do not compute in bf16, so the FP8 graph's first twin (`lm.fp8.ref.onnx`) is exported in
 fp32: the same quantization, but every activation, residual and cache value carries 24 bits where the engine keeps 8.
-FP8 quantization turns those differences into whole FP8 steps wherever a value lies near a rounding boundary: on
-the mid checkpoint the FP8 engine and that twin differ by a logits cosine of 0.994, as much as two copies of the
-engine that differ in one bf16 rounding of one op. This twin is the bf16 graph itself, computed in fp32 with every
+FP8 quantization turns those differences into whole FP8 steps wherever a value lies near a rounding boundary, so
+that twin drifts from the engine about as much as two copies of the engine that differ in one bf16 rounding of one
+op. This twin is the bf16 graph itself, computed in fp32 with every
 bf16 value rounded to bf16 where the graph produces it (a Cast to bf16 and back), so ONNX Runtime makes the engine's
 bf16 numbers up to the order of fp32 sums:
 

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from higgs_trt.runtime.config import HiggsConfig, load_config
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.jsonfile import parse_json, read_json
-
-from .config import HiggsConfig, load_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -11,7 +11,7 @@ Follows transformers' `HiggsAudioV2TokenizerModel.encode`:
 branches' frame counts would differ) happen before it, in runtime/audio.py, so the graph has a single path;
 `encode` = that padding + `forward`, the whole of transformers' encode for given 24 kHz and 16 kHz signals.
 
-Dimensions are read off the tensors' shapes under the codec prefix, as for the decoder (builder/codec.py). What
+Dimensions are read off the tensors' shapes under the codec prefix, as for the decoder (runtime/gpu/codec.py). What
 shapes cannot tell is fixed by the Higgs geometry and checked where it can be: HuBERT-base's conv strides (the
 kernels 10,3,3,3,3,2,2 are checked), its 64-wide attention heads and post-norm layers, the semantic encoder's
 residual dilations (1, 1).
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_trt.runtime.audio import SEMANTIC_PAD, SEMANTIC_RATE, SAMPLE_RATE, acoustic_padding
+from higgs_trt.runtime.audio import SAMPLE_RATE, SEMANTIC_PAD, SEMANTIC_RATE, acoustic_padding
 from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.gpu.codec import DILATIONS, PREFIX, BlockStack, Codebook, ResidualUnit, Snake, codec_count, codec_shape
 
 from .checkpoint import Checkpoint
-from .codec import DILATIONS, PREFIX, BlockStack, Codebook, ResidualUnit, Snake, codec_count, codec_shape
 
 HUBERT_CONV = ((10, 5), (3, 2), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2))  # (kernel, stride) of HuBERT's feature encoder
 HEAD_DIM = 64  # HuBERT base and large

@@ -41,19 +41,18 @@ def _runner_base():
 class TorchRunner(_runner_base()):
     """The torch reference as a Polygraphy runner: one stateless lm call per feed (caches in the feed)."""
 
-    def __init__(self, checkpoint: Path, max_seq: int, io: dict):
+    def __init__(self, ckpt, max_seq: int, io: dict):
         super().__init__(name="torch")
-        self.checkpoint, self.max_seq, self.io = checkpoint, max_seq, io
+        self.ckpt, self.max_seq, self.io = ckpt, max_seq, io
         self.caches = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
 
     def activate_impl(self):
         import torch
 
-        from .checkpoint import Checkpoint
         from .model import HiggsLM
 
         self.torch = torch
-        self.model = HiggsLM.from_checkpoint(Checkpoint(self.checkpoint), self.max_seq, torch.float32)
+        self.model = HiggsLM.from_checkpoint(self.ckpt, self.max_seq, torch.float32)
 
     def get_input_metadata_impl(self):
         from polygraphy.common import TensorMetadata
@@ -145,10 +144,10 @@ class TrtPlanRunner(_runner_base()):
         self.inner.deactivate()
 
 
-def reference_feeds(engine: EngineDir, checkpoint: Path | None, prompts, steps: int) -> list[dict]:
+def reference_feeds(engine: EngineDir, ckpt, prompts, steps: int) -> list[dict]:
     """Prefill + `steps` teacher-forced step feeds per prompt, each with the caches the reference had then."""
     max_seq = engine.manifest["limits"]["max_seq"]
-    with _reference(engine, checkpoint) as ref:
+    with _reference(engine, ckpt) as ref:
         return [feed for prompt in prompts for feed in _teacher_forced(ref, prompt, steps, max_seq, _zero_caches(engine))]
 
 
@@ -166,10 +165,10 @@ def _teacher_forced(ref, prompt, steps: int, max_seq: int, caches: dict) -> list
 
 
 @contextlib.contextmanager
-def _reference(engine: EngineDir, checkpoint: Path | None):
+def _reference(engine: EngineDir, ckpt):
     """A feed → outputs function: the torch reference with a checkpoint, else ONNX Runtime on the twin."""
-    if checkpoint is not None:
-        with TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"], engine.graph("lm_ref")) as runner:
+    if ckpt is not None:
+        with TorchRunner(ckpt, engine.manifest["limits"]["max_seq"], engine.graph("lm_ref")) as runner:
             yield runner.infer_impl
         return
     import onnxruntime as ort
@@ -205,7 +204,7 @@ def _stats(name: str, step: int, ref: np.ndarray, got: np.ndarray, atol: float, 
                        float((diff / np.maximum(np.abs(ref), 1e-6)).max()), cosine, passed, agreement)
 
 
-def compare(engine_dir: Path, checkpoint: Path | None, runners: list[str], prompts, steps: int,
+def compare(engine_dir: Path, ckpt, runners: list[str], prompts, steps: int,
             save: Path | None, say) -> dict:
     """Run the comparison; returns the report (also written under `save`). report['passed'] is the verdict."""
     import onnxruntime
@@ -219,16 +218,14 @@ def compare(engine_dir: Path, checkpoint: Path | None, runners: list[str], promp
 
     engine = EngineDir(engine_dir)
     precision = engine.manifest["precision"]
-    if "torch" in runners and checkpoint is None:
+    if "torch" in runners and ckpt is None:
         raise HiggsError("the torch runner needs --checkpoint")
-    if checkpoint is not None:
-        from .checkpoint import Checkpoint
-
-        engine.check_checkpoint(Checkpoint(checkpoint).fingerprint(), checkpoint)
+    if ckpt is not None:
+        engine.check_checkpoint(ckpt.fingerprint(), ckpt.dir)
     available = {}
     for name in runners:
         if name == "torch":
-            available[name] = TorchRunner(checkpoint, engine.manifest["limits"]["max_seq"], engine.graph("lm_ref"))
+            available[name] = TorchRunner(ckpt, engine.manifest["limits"]["max_seq"], engine.graph("lm_ref"))
         elif name == "ort":
             twin = "lm_fp8_bf16ref" if precision == "fp8" else "lm_ref"
             available[name] = OnnxrtRunner(SessionFromOnnx(str(engine.file(twin)), providers=["cpu"]), name="ort")
@@ -248,8 +245,8 @@ def compare(engine_dir: Path, checkpoint: Path | None, runners: list[str], promp
     max_seq = engine.manifest["limits"]["max_seq"]  # the cache holds a prompt and its steps
     capped = f", fewer where the {max_seq}-row cache ends first" if steps > max_seq - max(map(len, prompts)) else ""
     say(f"  building teacher-forced feeds ({steps} steps per prompt{capped}, reference: "
-        f"{'torch' if checkpoint else 'ort'})…")
-    feeds = reference_feeds(engine, checkpoint, prompts, steps)
+        f"{'torch' if ckpt else 'ort'})…")
+    feeds = reference_feeds(engine, ckpt, prompts, steps)
     say(f"  running {', '.join(available)} on {len(feeds)} feeds…")
     results = Comparator.run(list(available.values()), data_loader=feeds)
 
@@ -299,7 +296,7 @@ def summary(report: dict) -> list[str]:
     return lines
 
 
-def locate_divergence(engine_dir: Path, checkpoint: Path, prompts, say) -> dict:
+def locate_divergence(engine_dir: Path, ckpt, prompts, say) -> dict:
     """Per-layer mode: every intermediate tensor of the engine's fp32 twin against the same graph exported afresh
     from the checkpoint (same exporter, same tensor names), for the first prompt's prefill. Returns the first
     tensor, in graph order, whose error exceeds the fp32 tolerance (None when all agree)."""
@@ -318,7 +315,7 @@ def locate_divergence(engine_dir: Path, checkpoint: Path, prompts, say) -> dict:
     atol, rtol, _ = TOLERANCES["fp32"]
     with tempfile.TemporaryDirectory() as tmp:
         say("  exporting a fresh reference twin from the checkpoint…")
-        fresh = export_engine(checkpoint, Path(tmp) / "fresh", limits["max_seq"], limits["max_batch"],
+        fresh = export_engine(ckpt, Path(tmp) / "fresh", limits["max_seq"], limits["max_batch"],
                               limits["max_prompt"], say=lambda m: None)
         outputs = []
         for path in (engine.file("lm_ref"), fresh / "lm.ref.onnx"):

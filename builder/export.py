@@ -27,8 +27,11 @@ import onnxscript
 import torch
 
 from higgs_trt.calibration.qdq import insert_qdq
+from higgs_trt.runtime.config import lm_tensor_shapes
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END
+from higgs_trt.runtime.gpu.codec import PREFIX as CODEC_PREFIX
+from higgs_trt.runtime.gpu.codec import CodecDecoder, CodecDims
 from higgs_trt.runtime.manifest import write_manifest
 from higgs_trt.runtime.options import cache_length, prompt_length, within
 from higgs_trt.runtime.outputs import output_engine_dir, staged_dir
@@ -36,11 +39,10 @@ from higgs_trt.runtime.streaming import receptive_field
 
 from .bf16_twin import bf16_rounding_twin
 from .checkpoint import Checkpoint
-from .codec import PREFIX as CODEC_PREFIX
-from .codec import CodecDecoder, CodecDims
 from .codec_encoder import CodecEncoder, has_encoder
 from .model import HiggsLM
 from .ops import ONNX_OPSET, ONNX_TRANSLATIONS, NativeOps
+from .torch_backend import bf16_reference
 
 WEIGHTS = "weights.bin"
 LM_STEP_INPUTS = ("input_ids", "audio_codes", "is_audio", "write_pos", "new_len", "row_index", "end_frame")
@@ -239,7 +241,7 @@ def engine_limits(config, max_seq: int | None, max_batch: int, max_prompt: int |
     return {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt}
 
 
-def export_engine(checkpoint_dir: Path, out: Path, max_seq: int | None = None, max_batch: int = 8,
+def export_engine(ckpt: Checkpoint, out: Path, max_seq: int | None = None, max_batch: int = 8,
                   max_prompt: int | None = None,
                   ops=NativeOps, say=print, precision: str = "bf16", calibration: Path | None = None,
                   gate: tuple[float, float] | None = None) -> Path:
@@ -255,9 +257,8 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int | None = None, m
     from higgs_trt.runtime.manifest import EngineDir
     from higgs_trt.runtime.prompt import HiggsTokenizer
 
-    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    checkpoint_dir, out = ckpt.dir, Path(out)
     target = output_engine_dir(out, inputs=(checkpoint_dir,))  # symlinks followed: the directory a link names
-    ckpt = Checkpoint(checkpoint_dir)
     limits = engine_limits(ckpt.config, max_seq, max_batch, max_prompt)
     max_seq = limits["max_seq"]
     tokenizer = checkpoint_dir / "tokenizer.json"
@@ -266,13 +267,14 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int | None = None, m
     HiggsTokenizer(tokenizer, ckpt.config.text_vocab_size)  # its special tokens and ids, now rather than at run time
     fingerprint = ckpt.fingerprint()
     codec_dims = CodecDims.from_checkpoint(ckpt)
-    scales = None
+    scales = reference = None
     if precision == "fp8":
+        reference = bf16_reference(ckpt)  # calibration and the gate observe the same one
         if calibration:
             scales = load_calibration(calibration, fingerprint)
         else:
             say("  calibrating FP8 scales on the built-in prompt set (BF16 torch reference)…")
-            scales = calibrate(checkpoint_dir)
+            scales = calibrate(reference)
     with staged_dir(target) as staging:
         graphs, weights_index = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
         shutil.copy(tokenizer, staging / "tokenizer.json")
@@ -298,7 +300,7 @@ def export_engine(checkpoint_dir: Path, out: Path, max_seq: int | None = None, m
         write_manifest(staging, manifest, files)
         if scales:
             cosine, top1 = gate or (DEFAULT_COSINE, DEFAULT_TOP1)
-            manifest["fp8_gate"] = run_gate(EngineDir(staging), checkpoint_dir, scales, cosine, top1, say)
+            manifest["fp8_gate"] = run_gate(EngineDir(staging), reference, scales, cosine, top1, say)
             write_manifest(staging, manifest, files)
     return out
 
@@ -327,7 +329,7 @@ def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scal
     offset, bytes, dtype, shape in weights.bin)."""
     weights = WeightsFile(staging / WEIGHTS, ckpt)
     graphs = {}
-    lm_names = list(HiggsLM.expected_tensors(ckpt.config))
+    lm_names = list(lm_tensor_shapes(ckpt.config))
 
     def save(key: str, file: str, model: ir.Model, dtype: str, t0: float) -> None:
         graphs[key] = {"file": file, "dtype": dtype, **graph_io(model)}

@@ -15,12 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import Checkpoint
-from .config import HiggsConfig
-from .ops import NativeOps
+from higgs_trt.plugins.rope_table import rope_table
+from higgs_trt.runtime.config import HiggsConfig, lm_tensor_shapes
 
-TEXT_EMBEDDING = "tied.embedding.text_embedding.weight"
-AUDIO_TABLE = "tied.embedding.modality_embeddings.0.embedding.weight"
+from .checkpoint import Checkpoint
+from .ops import NativeOps
 
 
 class Linear(nn.Module):
@@ -97,13 +96,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), k_cache, v_cache
 
 
-def rope_table(cfg: HiggsConfig, max_seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_seq, D/2], computed in fp32 and rounded to bf16 as Higgs was trained."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    angles = torch.arange(max_seq, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return angles.cos().bfloat16().to(dtype), angles.sin().bfloat16().to(dtype)
-
-
 class HiggsLM(nn.Module):
     def __init__(self, cfg: HiggsConfig, max_seq: int, dtype: torch.dtype = torch.float32, ops=NativeOps):
         super().__init__()
@@ -122,14 +114,8 @@ class HiggsLM(nn.Module):
         self.register_buffer("codebook_offsets", torch.arange(cfg.num_codebooks) * cfg.codebook_vocab, persistent=False)
 
     @classmethod
-    def expected_tensors(cls, cfg: HiggsConfig) -> dict[str, tuple[int, ...]]:
-        with torch.device("meta"):
-            model = cls(cfg, max_seq=1)
-        return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-    @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, max_seq: int, dtype: torch.dtype = torch.float32, ops=NativeOps):
-        weights = ckpt.take(cls.expected_tensors(ckpt.config), "language model")
+        weights = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
         with torch.device("meta"):
             model = cls(ckpt.config, max_seq, dtype, ops)
         model.load_state_dict({n: t.to(torch.bfloat16) for n, t in weights.items()}, strict=False, assign=True)

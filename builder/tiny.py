@@ -18,8 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from higgs_trt.runtime.errors import HiggsError
-
-from .codec import PREFIX as CODEC
+from higgs_trt.runtime.gpu.codec import PREFIX as CODEC
 
 TEXT_CONFIG = {
     "model_type": "qwen3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": None,

@@ -5,10 +5,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from higgs_trt.runtime.gpu.codec import CodecDecoder
 from higgs_trt.runtime.scheduler import MIN_ROWS
 
 from .checkpoint import Checkpoint
-from .codec import CodecDecoder
 from .model import HiggsLM
 
 
@@ -40,3 +40,10 @@ class TorchBackend:
     @torch.inference_mode()
     def codec(self, codes: np.ndarray) -> np.ndarray:
         return self.codec_model(torch.from_numpy(codes).to(self.device)).cpu().numpy()
+
+
+def bf16_reference(ckpt: Checkpoint, device: str | None = None) -> TorchBackend:
+    """The BF16 torch reference that FP8 calibration and the accuracy gate observe (calibration/calibrate.observe):
+    batch 1, a cache long enough for the prompt set, on the GPU when torch sees one."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return TorchBackend(ckpt, max_seq=1024, max_batch=1, dtype=torch.bfloat16, device=device)

@@ -26,6 +26,8 @@ from higgs_trt.runtime.audio import MAX_SECONDS, MIN_SECONDS, SAMPLE_RATE, SEMAN
 from higgs_trt.runtime.decoding import CODEC_MAX_FRAMES
 from higgs_trt.runtime.errors import HiggsError
 
+from .checkpoint import Checkpoint
+
 WORKSPACE = 4 << 30
 TIMING_CACHE = "timing.cache"
 PLANS = {"lm": "lm.plan", "codec": "codec.plan", "codec_encoder": "codec_encoder.plan"}
@@ -185,16 +187,15 @@ def _without_plugin_functions(path: Path) -> Path:
     return stripped
 
 
-def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean: bool, limits: dict, say,
+def build(ckpt: Checkpoint, out: Path, precision: str, target: str | None, lean: bool, limits: dict, say,
           calibration: Path | None = None, gate: tuple[float, float] | None = None, ops: str = "native") -> Path:
     """Export (reusing the engine directory's graphs when nothing they depend on changed), then build."""
     from higgs_trt.runtime.manifest import EngineDir, write_manifest
     from higgs_trt.runtime.outputs import output_engine_dir, remove_stale, staged_dir
 
-    from .checkpoint import Checkpoint
     from .export import engine_limits, export_engine
 
-    directory = output_engine_dir(out, inputs=(checkpoint,))  # new, empty or an engine directory: checked first
+    directory = output_engine_dir(out, inputs=(ckpt.dir,))  # new, empty or an engine directory: checked first
     remove_stale(directory)  # what a killed export or build of `out` left beside it
     if target:
         trt_shim.check_target(target)  # before a long export
@@ -202,12 +203,11 @@ def build(checkpoint: Path, out: Path, precision: str, target: str | None, lean:
         datacenter_tensorrt()
     if lean and target:
         raise HiggsError("--lean makes plans for tensorrt_lean, which TensorRT-RTX plans cannot use; drop --target")
-    ckpt = Checkpoint(checkpoint)
     fingerprint, limits = ckpt.fingerprint(), engine_limits(ckpt.config, **limits)
     engine = _reusable(out, fingerprint, limits, precision, calibration, ops)
     if engine is None:
-        say(f"exporting {checkpoint} → {out}")
-        export_engine(checkpoint, out, limits["max_seq"], limits["max_batch"], limits["max_prompt"], say=say,
+        say(f"exporting {ckpt.dir} → {out}")
+        export_engine(ckpt, out, limits["max_seq"], limits["max_batch"], limits["max_prompt"], say=say,
                       precision=precision, calibration=calibration, gate=gate, ops=op_path(ops))
         engine = EngineDir(out)
     else:
@@ -240,7 +240,7 @@ def _link_files(source: Path, staging: Path, names) -> None:
 def op_path(ops: str):
     """The exporter's ops object for `--ops native|plugin`."""
     if ops == "plugin":
-        from higgs_trt.plugins.ops import PluginOps
+        from higgs_trt.builder.plugin_ops import PluginOps
 
         return PluginOps
     from .ops import NativeOps

@@ -3,8 +3,7 @@
 Every GEMM input of the decoder layers (q/k/v, o, gate/up, down) is observed with a forward pre-hook while each
 calibration prompt is prefilled and then decoded greedily for a fixed number of rows: scales cover the decode
 path, not only the prompt. The statistic per site is the 99.9th percentile of the per-token max |x| (`p999`, the
-default) or the largest (`max`): on random checkpoints p999 gave the better FP8 gate figures on both sizes measured
-(tiny: worst-step cosine 0.99724 vs 0.99670, top-1 0.9972 vs 0.9953; mid: 0.99169 vs 0.99057, 0.9981 vs 0.9972).
+default) or the largest (`max`): on random checkpoints p999 gives the better FP8 gate figures (`bench build`).
 Real activations may have outlier channels that clipping hurts; `max` keeps them.
 
 ModelOpt is not used here: its torch calibration instruments nn.Linear (our Linear exports as Gemm on the
@@ -26,7 +25,6 @@ from higgs_trt.runtime.errors import HiggsError
 
 PROMPTS = Path(__file__).with_name("prompts.json")
 FORMAT = 1
-FP8_MAX = 448.0
 QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 STATISTICS = ("max", "p999")
@@ -52,40 +50,35 @@ def build_prompts(tok, items: list[dict]):
                          p.get("ref_text")) for p in items]
 
 
-def observe(checkpoint_dir: Path, visit, split: str = "calibration", device: str | None = None) -> None:
+def observe(reference, visit, split: str = "calibration") -> None:
     """Call visit(site, module, x) with the input x of every quantized GEMM while the prompt set's `split` is
-    prefilled and decoded greedily (BF16 torch reference, one prompt at a time: no padding rows)."""
-    import torch
-
-    from higgs_trt.builder.torch_backend import TorchBackend
+    prefilled and decoded greedily by `reference`, the BF16 torch reference of a checkpoint
+    (builder/torch_backend.bf16_reference), one prompt at a time: no padding rows."""
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.generate import generate
     from higgs_trt.runtime.prompt import HiggsTokenizer
     from higgs_trt.runtime.stepper import HostStepper
 
     prompts = prompt_set()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = TorchBackend(checkpoint_dir, max_seq=1024, max_batch=1, dtype=torch.bfloat16, device=device)
-    tok = HiggsTokenizer(Path(checkpoint_dir) / "tokenizer.json")
+    tok = HiggsTokenizer(reference.checkpoint.dir / "tokenizer.json")
     hooks = [module.register_forward_pre_hook(lambda m, args, name=name: visit(name, m, args[0].detach()))
-             for name, module in backend.model.named_modules() if name.endswith(QUANTIZED)]
+             for name, module in reference.model.named_modules() if name.endswith(QUANTIZED)]
     try:
         for prompt in build_prompts(tok, prompts[split]):
-            generate(HostStepper(backend), [prompt], Sampling(), hard_cap=prompts["rows"])
+            generate(HostStepper(reference), [prompt], Sampling(), hard_cap=prompts["rows"])
     finally:
         for h in hooks:
             h.remove()
 
 
-def calibrate(checkpoint_dir: Path, statistic: str = "p999", device: str | None = None) -> dict:
-    from higgs_trt.builder.checkpoint import Checkpoint
-
+def calibrate(reference, statistic: str = "p999") -> dict:
+    """Activation scales of `reference`'s checkpoint (observe), sealed (module docstring)."""
     if statistic not in STATISTICS:
         raise HiggsError(f"unknown statistic {statistic!r}; choose {', '.join(STATISTICS)}")
-    ckpt = Checkpoint(checkpoint_dir)
+    ckpt = reference.checkpoint
     seen: dict[str, list] = {}
-    observe(checkpoint_dir, lambda site, _, x: seen.setdefault(site, []).append(
-        x.abs().amax(dim=-1).float().flatten().cpu().numpy()), device=device)
+    observe(reference, lambda site, _, x: seen.setdefault(site, []).append(
+        x.abs().amax(dim=-1).float().flatten().cpu().numpy()))
     per_token = {site: np.concatenate(v) for site, v in sorted(seen.items())}
     reduce = np.max if statistic == "max" else (lambda v: np.percentile(v, 99.9))
     prompts = prompt_set()

@@ -11,16 +11,14 @@ checkpoints (README, "FP8").
 """
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END, prefill_feeds, step_feeds
 
-# Measured (random weights, `higgs-trt bench build`): worst-step cosine 0.9967–0.9972 (tiny) and 0.9906–0.9917
-# (mid), top-1 agreement 0.995–0.998, for either statistic; scales off by 1000× (heavy clipping) fall far below.
-# The floors leave room for the measured spread and refuse clearly broken builds.
+# Below what random checkpoints reach with either statistic (`bench build`, docs/fp8.md), far above what badly
+# scaled FP8 gives: the floors leave room for the spread and refuse clearly broken builds.
 DEFAULT_COSINE = 0.98
 DEFAULT_TOP1 = 0.95
 
@@ -42,7 +40,7 @@ class GateFigures:
 
 
 def teacher_forced(engine, prompts, rows: int) -> GateFigures:
-    from higgs_trt.runtime.ort_backend import OrtBackend
+    from higgs_trt.runtime.backends.ort import OrtBackend
 
     bf16, fp8 = OrtBackend(engine, graph="lm_ref", max_batch=1), OrtBackend(engine, graph="lm_fp8_ref", max_batch=1)
     cosines, agree = [], []
@@ -64,12 +62,13 @@ def teacher_forced(engine, prompts, rows: int) -> GateFigures:
                        [round(float(x), 4) for x in np.nanmean(agree, axis=0)], len(cosines))
 
 
-def site_errors(checkpoint_dir: Path, amax: dict[str, float]) -> dict[str, float]:
+def site_errors(reference, amax: dict[str, float]) -> dict[str, float]:
     """Per site: ‖Q(x)Q(W)ᵀ − xWᵀ‖ / ‖xWᵀ‖ over the held-out prompts (each GEMM quantized alone)."""
     import torch
 
+    from higgs_trt.plugins.fp8 import bf16_scale, fake_quantize_weight
+
     from .calibrate import observe
-    from .qdq import bf16_scale, fake_quantize_weight
 
     sums: dict[str, list] = {}
     weights: dict[str, torch.Tensor] = {}
@@ -86,18 +85,21 @@ def site_errors(checkpoint_dir: Path, amax: dict[str, float]) -> dict[str, float
         s[0] += float((err * err).sum())
         s[1] += float((exact * exact).sum())
 
-    observe(checkpoint_dir, visit, split="heldout")
+    observe(reference, visit, split="heldout")
     return {site: (e / max(r, 1e-30)) ** 0.5 for site, (e, r) in sums.items()}
 
 
-def run_gate(engine, checkpoint_dir: Path, calibration: dict, cosine_floor: float, top1_floor: float, say) -> dict:
-    from .calibrate import build_prompts, prompt_set
+def run_gate(engine, reference, calibration: dict, cosine_floor: float, top1_floor: float, say) -> dict:
+    """The gate's figures for an engine directory's FP8 graphs; `reference`: the checkpoint's BF16 torch reference
+    (observe), whose GEMMs name the worst site."""
     from higgs_trt.runtime.prompt import HiggsTokenizer
+
+    from .calibrate import build_prompts, prompt_set
 
     prompts = prompt_set()
     held_out = build_prompts(HiggsTokenizer(engine.path / "tokenizer.json"), prompts["heldout"])
     figures = teacher_forced(engine, held_out, prompts["rows"])
-    errors = site_errors(checkpoint_dir, calibration["activation_amax"])
+    errors = site_errors(reference, calibration["activation_amax"])
     figures.worst_site, figures.worst_site_error = max(errors.items(), key=lambda kv: kv[1])
     say(f"  {figures.line()}")
     say(f"  largest single-GEMM FP8 error: {figures.worst_site} ({100 * figures.worst_site_error:.2f}%)")

@@ -16,28 +16,8 @@ import onnx_ir as ir
 import torch
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .calibrate import FP8_MAX
-
-TEXT_EMBEDDING = "tied.embedding.text_embedding.weight"
-
-
-def bf16_scale(amax) -> torch.Tensor:
-    """amax/448 rounded to bf16 (never zero), as fp32."""
-    scale = (torch.as_tensor(amax, dtype=torch.float32) / FP8_MAX).bfloat16().float()
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
-
-
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] → (FP8 E4M3 [N, K], per-row scale [N] fp32): round to nearest even, clipped to ±448."""
-    w = w.float()
-    scale = bf16_scale(w.abs().amax(dim=1))
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def fake_quantize_weight(w: torch.Tensor) -> torch.Tensor:
-    """W [N, K] as an FP8 engine multiplies it: quantized per row (quantize_weight), dequantized to fp32."""
-    codes, scale = quantize_weight(w)
-    return codes.float() * scale[:, None]
+from higgs_trt.plugins.fp8 import bf16_scale, quantize_weight
+from higgs_trt.runtime.config import TEXT_EMBEDDING
 
 
 def _source_weight(graph: ir.Graph, value: ir.Value) -> ir.Value:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import triton
 from triton.backends.compiler import GPUTarget
 
-from . import kernels
+from . import attention, codebook, rope
 
 TARGET = ("cuda", 80, 32)  # compute capability 8.0: PTX `.target sm_80`, JIT-compiled for any later GPU
 PTX_VERSION = 80  # PTX ISA 8.0 (CUDA 12.0)
@@ -41,6 +41,8 @@ SIGNATURES = {
                           "HEAD_DIM": "constexpr", "BLOCK_Q": "constexpr", "BLOCK_S": "constexpr"}),
 }
 OPS = tuple(SIGNATURES)
+KERNELS = {"rope_kv_write": rope.rope_kv_write, "delayed_codebook_step": codebook.delayed_codebook_step,
+           "decode_attention": attention.decode_attention}
 
 
 NUM_WARPS = {"rope_kv_write": 4, "delayed_codebook_step": 8, "decode_attention": 4}
@@ -90,7 +92,7 @@ def constants_for(op: str, head_dim: int, hidden: int, q_heads: int, kv_heads: i
 
 
 def compile_kernel(op: str, constants: dict, target=TARGET) -> CompiledKernel:
-    source = triton.compiler.ASTSource(fn=getattr(kernels, op), signature=SIGNATURES[op], constexprs=constants)
+    source = triton.compiler.ASTSource(fn=KERNELS[op], signature=SIGNATURES[op], constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget(*target),
                               options={"num_warps": NUM_WARPS[op], "ptx_version": PTX_VERSION})
     meta = compiled.metadata

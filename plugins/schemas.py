@@ -28,7 +28,7 @@ def register() -> None:
         if onnx.defs.has(name, DOMAIN):
             continue
         schema = OpSchema(
-            name, DOMAIN, VERSION, doc=f"TensorRT plugin {DOMAIN}::{name} (see plugins/kernels.py)",
+            name, DOMAIN, VERSION, doc=f"TensorRT plugin {DOMAIN}::{name} (see plugins/)",
             inputs=[OpSchema.FormalParameter(n, f"T{i}") for i, n in enumerate(inputs)],
             outputs=[OpSchema.FormalParameter(n, f"U{i}") for i, n in enumerate(outputs)],
             type_constraints=[(f"T{i}", list(_ALL_TYPES), "") for i in range(len(inputs))]

@@ -89,8 +89,8 @@ class Utterance:
     - The end frame follows `find_end`; decoding continues until every kept frame is complete (end + 7 rows).
     - 32 identical rows in a row, or `max_rows` rows, also stop it (keeping the complete frames).
     Frames are de-delayed as rows arrive: frame t is complete once row t + 7 exists. They are kept as numpy rows,
-    converted one frame per push: a codec call of 64 windows then slices them instead of converting ~23,000 Python
-    ints at once (H200 host, 64 streams: ~5 ms with the decode stream idle for most of it, at every call).
+    converted one frame per push: a codec call of many windows then slices them instead of converting tens of
+    thousands of Python ints at once while the decode stream idles.
     """
 
     max_rows: int

@@ -1,6 +1,6 @@
 """Choosing a row of codes from its logits: greedy, or seeded sampling — the device kernel's rule in numpy.
 
-Every backend samples by this one rule (the GPU path runs it in `plugins/kernels.py::_sample`, the host loop here):
+Every backend samples by this one rule (the GPU path runs it in `plugins/codebook.py::_sample`, the host loop here):
 each codebook draws with one uniform that is a hash of (seed, row, codebook), so a request's codes depend only on
 its own seed and row, never on its place in a batch or on what else is decoding.
 

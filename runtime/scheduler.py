@@ -1,6 +1,6 @@
 """In-flight batching: requests join and leave a fixed set of engine slots at any step, and stream audio as they go.
 
-One loop, shared by every backend (the slot contract: runtime/stepper.py, builder/gpu_engine.py):
+One loop, shared by every backend (the slot contract: runtime/slots.py):
 
   admit    queued requests take free slots: one prefill call for those who join (the engine may batch them; while
            others play audio, at most prefill_rows prompt rows a step), which also chooses each request's row 0
@@ -87,17 +87,17 @@ def request_for(engine, prompt: Prompt, sampling: Sampling, hard_cap: int = HARD
 PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (≈ 6 prompts of 41 tokens)
 # Rows one engine step may decode while no request waits to join or for its first chunk: the host's work per launch
 # is spread over them; a join or a cancel then waits for up to that many rows (the engine decides how many it does:
-# builder/gpu_engine.STEP_ROWS, one on host-driven engines).
+# runtime/gpu/launches.STEP_ROWS, one on host-driven engines).
 MULTI_ROWS = 4
 AUDIO_POLL_S = 0.0002  # how often a first chunk's codec call is polled while the engine runs a step
 PHASES = ("prefill", "decode", "codec", "other")  # of the loop's time (Scheduler.seconds)
 
 
 def freeze_heap() -> None:
-    """Keep what is alive before a decode loop starts (torch's and Triton's modules, the engine, the tokenizer: some
-    230,000 objects) out of the collector's full passes, which otherwise walk all of it: on the H200 host one pass
-    stalled a 64-stream loop for 155–217 ms, the slow mode of the first audio at 64 streams. Unfrozen at exit, so
-    that the interpreter's last collection still finalizes it."""
+    """Keep what is alive before a decode loop starts (torch's and Triton's modules, the engine, the tokenizer:
+    hundreds of thousands of objects) out of the collector's full passes, which otherwise walk all of it and stall a
+    busy loop for a noticeable share of a first chunk's time. Unfrozen at exit, so that the interpreter's last
+    collection still finalizes it."""
     gc.collect()
     if not gc.get_freeze_count():
         atexit.register(gc.unfreeze)
@@ -283,9 +283,8 @@ class Scheduler:
     def _first_chunk_alone(self) -> bool:
         """A lone request has every row of its first window launched, and its first chunk is not out: no step then
         until it is (the loop waits for the chunk instead), since a step launched now would run beside the first
-        chunk's codec call and slow it. H200, one stream alternating with and without: first audio 65.7–66.3 →
-        64.9–65.0 ms BF16, 47.7–48.5 → 46.7–47.0 FP8, for a GPU idle ~1 ms a request (0.2 % of its audio-s/s). With
-        others busy their rows come first. On host-driven engines the chunk is out in the step that reads its rows."""
+        chunk's codec call and slow it; the GPU idles about a millisecond a request for it. With others busy their
+        rows come first. On host-driven engines the chunk is out in the step that reads its rows."""
         if len(self.occupied) != 1:
             return False
         request = self.slots[self.occupied[0]]

@@ -1,21 +1,12 @@
-"""The slot contract over an engine graph that is called from the host (ONNX Runtime, TensorRT, the torch reference).
-
-The scheduler (runtime/scheduler.py) drives every backend through the same seven calls: `prefill(joins)` (a list of
-(slot, prompt, sampling): the requests joining now; an engine may prefill them together), `step(n, rows)` (returns
-how many rows it decodes: up to `rows`), `rows(keep)`, `release(slot)`, `codec(codes, keep)` (windows of equal
-length → a handle: `ready()`, and `result()` the audio of frames `keep` of each window, so that an engine may decode
-audio while it decodes rows, and skip the samples no kept one depends on; host-driven ones decode whole windows and
-return the kept audio done, as `Decoded`), `busy()` (a launched step still runs: never, for a host-driven engine)
-and `prepare_codec(plan)` (once per scheduler, before any request: the GPU engine captures the plan's codec
-windows). The GPU engine (builder/gpu_engine.py) keeps each
-slot's decode state on the device; this class keeps it on the host for a backend that offers one graph call,
+"""The slot contract (runtime/slots.py) over an engine graph that is called from the host (ONNX Runtime, TensorRT, the
+torch reference). The GPU engine (runtime/gpu/engine.py) keeps each slot's decode state on the device; this class
+keeps it on the host for a backend that offers one graph call,
 
   lm(feeds, slot=None) → (logits [B,8,1026], codes [B,8])
 
 where `slot=i` runs a batch-1 call on slot i's cache (a prefill, one join at a time) and `slot=None` runs the first B
-slots (a step).
-Each row is chosen here by the shared rules: the graph's greedy codes, or runtime/sampling.py's seeded sampling
-under the delay mask; then the end frame (decoding.find_end) and the row fed back, masked with that end.
+slots (a step). Each row is chosen here by the shared rules: the graph's greedy codes, or runtime/sampling.py's seeded
+sampling under the delay mask; then the end frame (decoding.find_end) and the row fed back, masked with that end.
 """
 
 import math
@@ -26,9 +17,10 @@ from .decoding import NO_END, NUM_CODEBOOKS, Sampling, delay_mask, find_end
 from .generate import prefill_feeds, step_feeds
 from .prompt import Prompt
 from .sampling import choose_row
+from .slots import Decoded, SlotEngine
 
 
-class HostStepper:
+class HostStepper(SlotEngine):
     lag = 0  # rows are known when step() returns
 
     def __init__(self, backend):
@@ -95,15 +87,3 @@ class HostStepper:
         audio = self.backend.codec(codes)
         return Decoded(audio if keep is None else audio[..., keep[0] * self.hop:keep[1] * self.hop])
 
-
-class Decoded:
-    """Audio a codec call has already produced."""
-
-    def __init__(self, audio: np.ndarray):
-        self.audio = audio
-
-    def ready(self) -> bool:
-        return True
-
-    def result(self) -> np.ndarray:
-        return self.audio

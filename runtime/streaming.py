@@ -15,8 +15,8 @@ frames it emits decodes them exactly as the one-shot decode does; with one frame
 
 Windows: the first chunk is `first` frames, then chunks grow to `chunk` frames, each at most RAMP times the audio
 emitted before it (a 2-frame first chunk is followed by 8, then 25; after the default 8 the next is 25 already): a
-chunk must be decoded before the audio sent ahead of it has played, and under load (64 streams on the H200) a row
-takes ~3.5 ms of the 40 ms its frame plays, so 25 rows behind a 2-frame first chunk would arrive late. Every window
+chunk must be decoded before the audio sent ahead of it has played, and under load a row takes a sizeable share of
+the 40 ms its frame plays, so 25 rows behind a 2-frame first chunk would arrive late. Every window
 is decoded with up to `left` frames before and `right` after; the last window ends at the utterance's end (where the
 one-shot decode pads too), never padded past it. It reaches back as far as a middle window is long (left + chunk +
 right frames, the extra ones real context: the same samples), so that an utterance's tail decodes at the length of

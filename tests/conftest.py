@@ -21,9 +21,10 @@ def tiny_copy(tiny_ckpt, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny checkpoint exported with the native op path (small cache to keep ORT fast). Read-only."""
+    from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.builder.export import export_engine
 
-    return export_engine(tiny_ckpt, tmp_path_factory.mktemp("engine") / "tiny", max_seq=160, max_batch=4,
+    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("engine") / "tiny", max_seq=160, max_batch=4,
                          max_prompt=96, say=lambda msg: None)
 
 
@@ -35,29 +36,33 @@ def engine_copy(tiny_engine, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_calibration(tiny_ckpt, tmp_path_factory) -> Path:
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.torch_backend import bf16_reference
     from higgs_trt.calibration.calibrate import calibrate, write_calibration
 
     path = tmp_path_factory.mktemp("calibration") / "calibration.json"
-    write_calibration(calibrate(tiny_ckpt), path)
+    write_calibration(calibrate(bf16_reference(Checkpoint(tiny_ckpt))), path)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_fp8_engine(tiny_ckpt, tiny_calibration, tmp_path_factory) -> Path:
     """The tiny checkpoint exported with FP8 Q/DQ graphs (same limits as tiny_engine). Read-only."""
+    from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.builder.export import export_engine
 
-    return export_engine(tiny_ckpt, tmp_path_factory.mktemp("engine8") / "tiny8", max_seq=160, max_batch=4,
+    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("engine8") / "tiny8", max_seq=160, max_batch=4,
                          max_prompt=96, say=lambda msg: None, precision="fp8", calibration=tiny_calibration)
 
 
 @pytest.fixture(scope="session")
 def tiny_plugin_engine(tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny checkpoint exported with the plugin op path (same limits as tiny_engine). Read-only."""
+    from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.builder.export import export_engine
-    from higgs_trt.plugins.ops import PluginOps
+    from higgs_trt.builder.plugin_ops import PluginOps
 
-    return export_engine(tiny_ckpt, tmp_path_factory.mktemp("engine_plugin") / "tinyp", max_seq=160, max_batch=4,
+    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("engine_plugin") / "tinyp", max_seq=160, max_batch=4,
                          max_prompt=96, ops=PluginOps, say=lambda msg: None)
 
 

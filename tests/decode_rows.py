@@ -4,8 +4,9 @@
 import torch
 from torch.onnx import ops as onnx_ops
 
-from higgs_trt.builder.config import HiggsConfig
-from higgs_trt.builder.model import RMSNorm, rope_table
+from higgs_trt.builder.model import RMSNorm
+from higgs_trt.plugins.rope_table import rope_table
+from higgs_trt.runtime.config import HiggsConfig
 
 
 def decode_rows(lengths: list[int], hq: int, hkv: int, d: int, s_max: int):

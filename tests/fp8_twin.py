@@ -6,9 +6,9 @@ engine in FP8 is held to, teacher-forced. Shared by the interpreter test on the 
 import numpy as np
 import torch
 
+from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import NO_END, delay_mask
 from higgs_trt.runtime.generate import prefill_feeds, step_feeds
-from higgs_trt.runtime.ort_backend import OrtBackend
 
 
 def twin_logits(engine, prompt, steps: int, graph: str = "lm_fp8_ref", fed=None):

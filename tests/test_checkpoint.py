@@ -6,11 +6,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.codec import CodecDecoder
-from higgs_trt.builder.config import parse_config
 from higgs_trt.builder.model import HiggsLM
 from higgs_trt.builder.tiny import write_random_checkpoint
+from higgs_trt.runtime.config import HIGGS_V3, lm_tensor_shapes, parse_config
 from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.gpu.codec import CodecDecoder
 
 
 def raw_config(ckpt):
@@ -61,9 +61,17 @@ def test_single_file_and_sharded_checkpoints_load_the_same(tiny_ckpt, tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.parametrize("cfg", ["tiny", HIGGS_V3], ids=["tiny", "real"])
+def test_the_reference_model_reads_exactly_the_tensors_the_engines_load(tiny_ckpt, cfg):
+    cfg = Checkpoint(tiny_ckpt).config if cfg == "tiny" else cfg
+    with torch.device("meta"):
+        model = HiggsLM(cfg, max_seq=1)
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == lm_tensor_shapes(cfg)
+
+
 def test_unused_tensors_are_ignored(tiny_ckpt):
     ckpt = Checkpoint(tiny_ckpt)
-    model_names = set(HiggsLM.expected_tensors(ckpt.config))
+    model_names = set(lm_tensor_shapes(ckpt.config))
     codec_names = {"tied.embedding.modality_embeddings.0.model." + n for n in CodecDecoder.from_checkpoint(ckpt).state_dict()}
     unused = set(ckpt.names()) - model_names - codec_names
     assert "tied.head.text_head.weight" in unused

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-
 from hf_codec import hf_codec_class
 
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.codec_encoder import PREFIX, CodecEncoder
 from higgs_trt.runtime import audio
-from higgs_trt.runtime.bench_encode import FILE_RATE, synthetic_voice
+from higgs_trt.runtime.bench.encode import FILE_RATE, synthetic_voice
 from higgs_trt.runtime.cli import main
 from higgs_trt.runtime.manifest import EngineDir
 
@@ -110,7 +109,7 @@ def test_end_to_end_from_a_44k_stereo_file(tiny_engine, oracle, tmp_path):
     in ONNX Runtime) against the reference pipeline (stdlib wave, channel mean, torchaudio-style resampling to
     24 kHz, transformers' encode resampling to 16 kHz itself). The codes differ where the two resamplers do: soxr is
     flat to 0.9 Nyquist, torchaudio's 6-zero filter droops from about 0.5 Nyquist (README, "Reference audio")."""
-    from higgs_trt.runtime.ort_backend import OrtEncoder
+    from higgs_trt.runtime.backends.ort import OrtEncoder
 
     encoder = OrtEncoder(EngineDir(tiny_engine))
     same = total = 0
@@ -143,7 +142,7 @@ def test_padding_rule_gives_matching_frames_over_the_whole_range(ours):
 
 
 def test_onnx_runtime_equals_torch(tiny_engine, ours):
-    from higgs_trt.runtime.ort_backend import OrtEncoder
+    from higgs_trt.runtime.backends.ort import OrtEncoder
 
     io = EngineDir(tiny_engine).graph("codec_encoder")
     assert [(t["name"], t["shape"], t["dtype"]) for t in io["inputs"] + io["outputs"]] == [
@@ -279,7 +278,7 @@ class Counting:
 
 
 def test_references_are_cached_by_audio_content(tiny_engine, tmp_path):
-    from higgs_trt.runtime.ort_backend import OrtEncoder
+    from higgs_trt.runtime.backends.ort import OrtEncoder
 
     audio._cache.clear()
     encoder = Counting(OrtEncoder(EngineDir(tiny_engine)))

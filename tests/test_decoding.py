@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from higgs_trt.runtime.decoding import (BOC, EOC, HARD_CAP_ROWS, REPEAT_GUARD_ROWS, Utterance, apply_delay,
-                                        delay_mask, revert_delay, row_cap, sanitize)
+from higgs_trt.runtime.decoding import (BOC, EOC, HARD_CAP_ROWS, REPEAT_GUARD_ROWS, Utterance, apply_delay, delay_mask,
+                                        revert_delay, row_cap, sanitize)
 from higgs_trt.runtime.sampling import choose_row, uniform
 
 rng = np.random.default_rng(0)

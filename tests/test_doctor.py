@@ -3,8 +3,8 @@ TensorRT) the real probes run; the GPU cases replace the CUDA probes (runtime/cu
 
 from click.testing import CliRunner
 
-from higgs_trt.runtime import cuda, doctor
-from higgs_trt.runtime.cli import main
+from higgs_trt.runtime import cuda
+from higgs_trt.runtime.cli import doctor, main
 
 
 def modes():

@@ -11,13 +11,13 @@ from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.export import export_engine
 from higgs_trt.builder.tiny import write_random_checkpoint
 from higgs_trt.builder.torch_backend import TorchBackend
+from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import NO_END, generate, prefill_feeds, step_feeds
 from higgs_trt.runtime.manifest import EngineDir
-from higgs_trt.runtime.ort_backend import OrtBackend
-from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+from higgs_trt.runtime.stepper import HostStepper
 
 PROMPTS = ["Hello world.", "It was 3:45 pm, and the temperature was 21.5 degrees!", "Can you call me back?"]
 
@@ -142,7 +142,7 @@ def test_hand_edited_manifest_is_refused(engine_copy):
 
 
 def test_swapped_or_missing_files_are_refused(engine_copy, tmp_path):
-    other = export_engine(write_random_checkpoint(tmp_path / "o", seed=1), tmp_path / "oe", max_seq=160, max_batch=4,
+    other = export_engine(Checkpoint(write_random_checkpoint(tmp_path / "o", seed=1)), tmp_path / "oe", max_seq=160, max_batch=4,
                           max_prompt=96, say=lambda m: None)
     (engine_copy / "weights.bin").write_bytes((other / "weights.bin").read_bytes())
     with pytest.raises(HiggsError, match="weights.bin does not match the manifest"):
@@ -159,5 +159,5 @@ def test_export_replaces_atomically_and_leaves_nothing_on_failure(tiny_ckpt, tmp
     bad = write_random_checkpoint(tmp_path / "bad", seed=0)
     (bad / "tokenizer.json").unlink()
     with pytest.raises(HiggsError, match="tokenizer.json not found"):
-        export_engine(bad, out, max_seq=64, max_prompt=32, say=lambda m: None)
+        export_engine(Checkpoint(bad), out, max_seq=64, max_prompt=32, say=lambda m: None)
     assert not out.exists() and not list(tmp_path.glob(".e.*"))

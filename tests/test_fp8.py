@@ -11,19 +11,20 @@ import torch
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.export import export_engine
 from higgs_trt.builder.tiny import write_random_checkpoint
+from higgs_trt.builder.torch_backend import bf16_reference
 from higgs_trt.calibration.calibrate import _seal, calibrate, load_calibration, quantized_sites, write_calibration
+from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.generate import generate, prefill_feeds
 from higgs_trt.runtime.manifest import EngineDir
-from higgs_trt.runtime.ort_backend import OrtBackend
-from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+from higgs_trt.runtime.stepper import HostStepper
 
 
 def test_calibration_is_byte_identical_when_repeated(tiny_ckpt, tiny_calibration, tmp_path):
     again = tmp_path / "again.json"
-    write_calibration(calibrate(tiny_ckpt), again)
+    write_calibration(calibrate(bf16_reference(Checkpoint(tiny_ckpt))), again)
     assert again.read_bytes() == tiny_calibration.read_bytes()
     c = json.loads(again.read_text())
     assert set(c["activation_amax"]) == set(quantized_sites(2)) and c["tokens"] > 100
@@ -102,9 +103,9 @@ def test_the_plugin_op_paths_fp8_twins_compute_what_the_native_ones_do(tiny_ckpt
                                                                        tmp_path):
     """The plugin nodes' reference bodies (model-local functions) compute what the native ops do, in both FP8 twins:
     the bf16-rounding one rounds the plugins' outputs as the native graph rounds the ops they replace."""
-    from higgs_trt.plugins.ops import PluginOps
+    from higgs_trt.builder.plugin_ops import PluginOps
 
-    plugin = export_engine(tiny_ckpt, tmp_path / "p8", max_seq=160, max_batch=4, max_prompt=96, ops=PluginOps,
+    plugin = export_engine(Checkpoint(tiny_ckpt), tmp_path / "p8", max_seq=160, max_batch=4, max_prompt=96, ops=PluginOps,
                            say=lambda m: None, precision="fp8", calibration=tiny_calibration)
     prompt = build_prompt(HiggsTokenizer(tiny_ckpt / "tokenizer.json"), "Plugins or native ops, the same numbers.")
     for graph in ("lm_fp8_ref", "lm_fp8_bf16ref"):
@@ -136,6 +137,6 @@ def test_gate_refuses_badly_scaled_fp8_with_its_default_floors(tiny_ckpt, tiny_c
     reseal(broken, lambda c: c["activation_amax"].update({k: v / 1000 for k, v in c["activation_amax"].items()}))
     out = tmp_path / "e"
     with pytest.raises(HiggsError, match=r"refused by the accuracy gate.*worst site body\.layers\."):
-        export_engine(tiny_ckpt, out, max_seq=96, max_prompt=48, say=lambda m: None, precision="fp8",
+        export_engine(Checkpoint(tiny_ckpt), out, max_seq=96, max_prompt=48, say=lambda m: None, precision="fp8",
                       calibration=broken)
     assert not out.exists() and not list(tmp_path.glob(".e.*"))

@@ -1,6 +1,7 @@
-"""`bench linear`'s five tile sweeps (builder/gpu_bench.py) on the CPU, with a stand-in timer: what they run on the GPU
-is timing, but what they write into TUNED must be tiles that TileConfig accepts (wide tiles that sum rows as the
-narrow ones do, prefill tiles without tiles of their own), starting from today's TUNED."""
+"""`bench linear`'s tile sweeps (runtime/bench/tiles.py, tiles_in_step.py) on the CPU, with a stand-in timer: what they
+run on the GPU is timing, but what they write into the table must be tiles that TileConfig accepts (wide tiles that
+sum rows as the narrow ones do, prefill tiles without tiles of their own), starting from the H200's table; and the
+tables round-trip through their JSON files."""
 
 import types
 
@@ -9,25 +10,32 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
+def h200_table() -> dict:
+    from higgs_trt.runtime.gpu.tiles import TILES_DIR, read_table
+
+    return read_table(TILES_DIR / "nvidia-h200.json")
+
+
 def test_tile_sweeps_run_through_every_shape_and_leave_valid_tiles(monkeypatch):
-    from higgs_trt.builder import gpu_bench
-    from higgs_trt.builder.config import HIGGS_V3
-    from higgs_trt.builder.gpu_linear import TileConfig
+    from higgs_trt.runtime.bench import tiles as sweeps
+    from higgs_trt.runtime.config import HIGGS_V3
+    from higgs_trt.runtime.gpu.tiles import TileConfig
 
     def fake_time(n, k, gated, fp8, tiles, m, copies, prefill=False):  # any order of candidates, the same in every run
         return (hash((n, k, fp8, tiles, m)) % 997 + 1) * 1e-3
 
-    monkeypatch.setattr(gpu_bench, "TUNED", dict(gpu_bench.TUNED))  # the sweeps write into it
-    monkeypatch.setattr(gpu_bench, "time_linear", fake_time)
-    monkeypatch.setattr(gpu_bench, "copy_bandwidth", lambda: 4e12)
-    monkeypatch.setattr(gpu_bench, "_copies",
+    table = h200_table()
+    monkeypatch.setattr(sweeps, "table", lambda: table)  # the sweeps write into it
+    monkeypatch.setattr(sweeps, "time_linear", fake_time)
+    monkeypatch.setattr(sweeps, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(sweeps, "_copies",
                         lambda n, k, gated, fp8: [types.SimpleNamespace(weight=types.SimpleNamespace(nbytes=n * k))])
     said = []
-    for sweep in (gpu_bench.sweep_persistent, gpu_bench.sweep_wide, gpu_bench.sweep_linear, gpu_bench.sweep_ranges,
-                  gpu_bench.sweep_prefill):
+    for sweep in (sweeps.sweep_persistent, sweeps.sweep_wide, sweeps.sweep_linear, sweeps.sweep_ranges,
+                  sweeps.sweep_prefill):
         best = sweep(HIGGS_V3, 600.0, (False, True), say=said.append)
         assert len(best) >= 8, (sweep.__name__, said[-3:])  # every decoder shape in both precisions (+ the head)
-    for tiles in gpu_bench.TUNED.values():
+    for tiles in table.values():
         assert isinstance(tiles, TileConfig)
         for m in (1, 20, 64, 2048):
             tiles.for_rows(m), tiles.for_rows(m, prefill=True)
@@ -36,7 +44,7 @@ def test_tile_sweeps_run_through_every_shape_and_leave_valid_tiles(monkeypatch):
 
 
 def test_tile_configs_keep_a_decode_rows_sums_and_let_prefills_choose_theirs():
-    from higgs_trt.builder.gpu_linear import TileConfig
+    from higgs_trt.runtime.gpu.tiles import TileConfig
 
     narrow = TileConfig(32, 256, 1)
     assert narrow.for_rows(20) is narrow and narrow.for_rows(20, prefill=True) is narrow
@@ -61,7 +69,7 @@ def test_timeline_charges_each_idle_gap_to_the_call_running_when_it_began():
     """bench stream --timeline's reading of a trace: decode stream = the stream with the most kernels; a gap is charged
     to the innermost labelled call containing its start, "(loop)" if none; gaps under GAP_US are not counted; the
     codec stream's busy time within each gap is reported beside it."""
-    from higgs_trt.builder.gpu_profile import timeline_lines
+    from higgs_trt.runtime.bench.profile import timeline_lines
 
     def kernel(stream, start, end):
         return {"ph": "X", "cat": "kernel", "ts": start, "dur": end - start, "args": {"stream": stream}}
@@ -87,11 +95,11 @@ def test_timeline_charges_each_idle_gap_to_the_call_running_when_it_began():
 def test_profile_level_labels_the_loops_calls_and_puts_them_back(tiny_engine, monkeypatch):
     """A real level of the tiny ORT engine under the profiler (CPU only: no kernels): the trace holds the labelled
     scheduler and engine calls, and afterwards the scheduler's methods and the engine are as they were."""
-    from higgs_trt.builder import gpu_profile
-    from higgs_trt.runtime.bench import bench_stream
+    from higgs_trt.runtime.backends.ort import OrtBackend
+    from higgs_trt.runtime.bench import profile as gpu_profile
+    from higgs_trt.runtime.bench.loop import bench_stream
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.manifest import EngineDir
-    from higgs_trt.runtime.ort_backend import OrtBackend
     from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
     from higgs_trt.runtime.scheduler import Scheduler
     from higgs_trt.runtime.stepper import HostStepper
@@ -113,17 +121,18 @@ def test_profile_level_labels_the_loops_calls_and_puts_them_back(tiny_engine, mo
 def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
     """`bench linear --tiles step` with a stand-in engine and step timer (on the GPU: the captured B=64 step of a
     36-layer engine): every candidate sums rows as today's narrow tiles do, the winner (the least time of the
-    finalists' repeats) lands in every layer and in TUNED, and prefills and steps of up to 32 rows keep the tiles
+    finalists' repeats) lands in every layer and in the table, and prefills and steps of up to 32 rows keep the tiles
     they used."""
     from dataclasses import replace
 
-    from higgs_trt.builder import gpu_bench
-    from higgs_trt.builder.config import HIGGS_V3
-    from higgs_trt.builder.gpu_linear import SHARED_MEMORY, TileConfig
+    from higgs_trt.runtime.bench import tiles_in_step
+    from higgs_trt.runtime.bench.tiles import shapes
+    from higgs_trt.runtime.config import HIGGS_V3
+    from higgs_trt.runtime.gpu.tiles import SHARED_MEMORY, TileConfig
 
-    tuned = dict(gpu_bench.TUNED)
-    monkeypatch.setattr(gpu_bench, "TUNED", tuned)
-    sizes = {name: shape for name, shape in gpu_bench.shapes(HIGGS_V3).items() if name in gpu_bench.STEP_SHAPES}
+    tuned = h200_table()
+    monkeypatch.setattr(tiles_in_step, "table", lambda: tuned)
+    sizes = {name: shape for name, shape in shapes(HIGGS_V3).items() if name in tiles_in_step.STEP_SHAPES}
 
     def engine(cfg, fp8, max_batch):
         def linear(name):
@@ -137,8 +146,8 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
         w = engine.layers[0].down.tiles.wide
         return 3.0 + 0.1 * (w.block_k != 128) + 0.01 * w.stages + 0.001 * w.tma - 0.0005 * w.late_launch
 
-    monkeypatch.setattr(gpu_bench, "timing_engine", engine)
-    monkeypatch.setattr(gpu_bench, "_step_ms", step_ms)
+    monkeypatch.setattr(tiles_in_step, "timing_engine", engine)
+    monkeypatch.setattr(tiles_in_step, "_step_ms", step_ms)
     down_key = (*sizes["down"][:2], True)
     tuned[down_key] = replace(tuned[down_key], prefill=None)  # its prefills run its wide tiles
     o_key = (*sizes["o"][:2], True)
@@ -149,7 +158,7 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
     def own(tiles):  # a tile shape without the tiles it nests
         return replace(tiles, wide=None, wide32=None, prefill=None)
 
-    best = gpu_bench.sweep_wide_in_step(HIGGS_V3, 600.0, (True,), say=said.append)
+    best = tiles_in_step.sweep_wide_in_step(HIGGS_V3, 600.0, (True,), say=said.append)
     assert len(best) == 4 and len(said) == 4, said
     for (n, k, fp8), tiles in best.items():
         old = before[n, k, fp8]
@@ -161,10 +170,27 @@ def test_step_sweep_keeps_each_shapes_sums_and_prefill_tiles(monkeypatch):
     assert (down.wide.block_k, down.wide.stages, down.wide.tma, down.wide.late_launch) == (128, 2, False, True)
     for n, k, gated in sizes.values():
         base = before[n, k, True]
-        candidates = gpu_bench.step_wide_candidates(base, k, gated, True)
+        candidates = tiles_in_step.step_wide_candidates(base, k, gated, True)
         assert len(set(candidates)) == len(candidates) > 8 and candidates[0] == (base.wide or candidates[0])
         assert {w.rows for w in candidates} == ({64, 32} if base.split_k == 1 else {64})
         for wide in candidates:
             replace(base, wide=wide)  # TileConfig refuses tiles that sum rows differently
             stage = wide.block_k * (wide.block_n * (2 if gated else 1) + 2 * wide.rows)
             assert stage * wide.stages <= SHARED_MEMORY or wide == base.wide
+
+
+def test_tile_tables_round_trip_and_a_gpu_without_one_takes_its_twins_or_none(tmp_path, monkeypatch):
+    """`bench linear --write` writes the table as the GPU model's file, which reads back to the same tiles; a GPU
+    without a file takes the table of one with the same compute capability and multiprocessors, else none."""
+    from higgs_trt.runtime.gpu import tiles
+
+    table = h200_table()
+    assert len(table) == 9 and all(isinstance(t, tiles.TileConfig) for t in table.values())
+    props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    written = tiles.write_table(table, "cuda", tmp_path)
+    assert written.name == "nvidia-h200.json" and tiles.read_table(written) == table
+    assert written.read_bytes() == (tiles.TILES_DIR / "nvidia-h200.json").read_bytes()
+    assert tiles._table_of("NVIDIA H100 80GB HBM3", (9, 0), 132) == table
+    assert tiles._table_of("NVIDIA A100-SXM4-80GB", (8, 0), 108) == {}
+    assert tiles.tuned_tiles("cpu") == {}

@@ -32,8 +32,8 @@ def exact_linear(x, lin):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("shape", ["qkv", "o", "gate_up", "down"])
 def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
-    from higgs_trt.builder.gpu_engine import Workspace
-    from higgs_trt.builder.gpu_linear import Linear
+    from higgs_trt.runtime.gpu.engine import Workspace
+    from higgs_trt.runtime.gpu.linear import Linear
 
     n, k, gated = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, False), "o": (HIDDEN, HQ * D, False),
                    "gate_up": (INTER, HIDDEN, True), "down": (HIDDEN, INTER, False)}[shape]
@@ -77,7 +77,7 @@ def test_linear_at_higgs_dimensions_is_exact_and_batch_invariant(shape, fp8):
 def test_codec_snake_on_the_gpu_equals_its_formula():
     """The codec's Snake in one Triton pass (CUDA tensors) against the module's torch formula on the CPU, at the last
     decoder block's size for 4 windows of 45 frames."""
-    from higgs_trt.builder.codec import Snake
+    from higgs_trt.runtime.gpu.codec import Snake
 
     snake = Snake(32)
     snake.alpha.data = torch.rand(1, 32, 1) * 2 + 0.05
@@ -92,8 +92,8 @@ def test_decode_attention_at_higgs_dimensions():
     over the prefix against fp32, and the same bits alone and in the batch, with 2 or 3 pipeline stages."""
     from decode_rows import decode_rows
 
-    from higgs_trt.builder.gpu_engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_WARPS, attention_tma
-    from higgs_trt.plugins import kernels
+    from higgs_trt.plugins import attention, rope
+    from higgs_trt.runtime.gpu.engine import ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_WARPS, attention_tma
 
     torch.manual_seed(0)
     lengths = [1, 255, 256, 257, 1000, 2048, 77, 513]
@@ -109,7 +109,7 @@ def test_decode_attention_at_higgs_dimensions():
         stats = torch.empty(len(rows), HQ, chunks, 2, device="cuda")
         tickets = torch.zeros(len(rows) * HKV, device="cuda", dtype=torch.int32)
         descriptors = attention_tma(kc2, vc2) if tma else {}
-        kernels.decode_attention_split[(len(rows), HKV, chunks)](
+        attention.decode_attention_split[(len(rows), HKV, chunks)](
             cuda["qkv"][rows], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], kc2, vc2, cuda["pos"][rows], out,
             parts, stats, tickets, S_MAX, 1e-6, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D, CHUNK=ATTENTION_CHUNK,
             BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks, num_stages=stages,
@@ -123,7 +123,7 @@ def test_decode_attention_at_higgs_dimensions():
     # q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested against the formula in CI): the reference
     # attention starts from it, so that the bounds below measure attention, not q's roundings
     q_chain = torch.empty(b, HQ * D, device="cuda").bfloat16()
-    kernels.qk_norm_rope_kv_write[(b,)](
+    rope.qk_norm_rope_kv_write[(b,)](
         cuda["qkv"], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], cuda["pos"], q_chain, cuda["kc"].clone(),
         cuda["vc"].clone(), 1, S_MAX, 1e-6, Q_HEADS=HQ, KV_HEADS=HKV, HALF=D // 2)
     q_chain = q_chain.cpu().view(b, HQ, D)
@@ -157,7 +157,7 @@ def tiny(tmp_path_factory):
 
 def open_engine(ckpt_dir, max_batch=8, amax=None):
     from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.gpu_engine import load_gpu_engine
+    from higgs_trt.runtime.gpu.engine import load_gpu_engine
 
     return load_gpu_engine(Checkpoint(ckpt_dir), max_seq=512, max_batch=max_batch, max_prompt=128, act_amax=amax)
 
@@ -169,15 +169,15 @@ def test_captured_codec_windows_equal_the_eager_codec(tiny):
     of 4), and for a last window keeping fewer frames than the graph it replays; and within fp16's rounding of the
     whole window decoded at once (the engine's codec: CodecDecoder.fp16)."""
     engine = open_engine(tiny, max_batch=4)
-    assert len(engine.codec_graphs) == 4 * len(engine.codec_buckets) == 12
-    shapes = sorted({shape for _, shape in engine.codec_graphs})
-    calls = [(n, frames, keep) for n, (frames, keep) in engine.codec_graphs] * 2 + [(3, *shape) for shape in shapes]
+    assert len(engine.codec_calls.graphs) == 4 * len(engine.codec_calls.buckets) == 12
+    shapes = sorted({shape for _, shape in engine.codec_calls.graphs})
+    calls = [(n, frames, keep) for n, (frames, keep) in engine.codec_calls.graphs] * 2 + [(3, *shape) for shape in shapes]
     rng = np.random.default_rng(0)
     for windows, frames, keep in calls + [(2, 45, (33, 45)), (1, 45, (44, 45))]:
-        kept = engine._captured_codec(windows, frames, keep)[-1]
+        kept = engine.codec_calls.captured(windows, frames, keep)[-1]
         codes = rng.integers(0, 1024, (windows, engine.codec_model.dims.num_quantizers, frames))
         got = engine.codec(codes, keep).result()
-        padded = np.zeros((engine.codec_bucket_of[windows], *codes.shape[1:]), codes.dtype)  # as the engine pads a call
+        padded = np.zeros((engine.codec_calls.bucket_of[windows], *codes.shape[1:]), codes.dtype)  # as the engine pads a call
         padded[:windows] = codes
         with torch.inference_mode():  # the replayed call's shape: cuDNN's roundings depend on crop and count
             eager = engine.codec_model(torch.from_numpy(padded).cuda(), kept).cpu().numpy()[:windows]
@@ -267,13 +267,14 @@ def test_mid_checkpoint_logits_cosine_over_64_steps(tmp_path_factory):
 
 def mid_fp8_engine(root):
     """The mid checkpoint (seed 0) and its FP8 engine directory under `root`, exported unless there already."""
+    from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.builder.export import export_engine
     from higgs_trt.builder.tiny import write_random_checkpoint
 
     ckpt, engine = root / "ckpt", root / "engine"
     if not (engine / "manifest.json").exists():
         write_random_checkpoint(ckpt, seed=0, size="mid")
-        export_engine(ckpt, engine, max_seq=160, max_batch=1, max_prompt=96, precision="fp8", say=lambda msg: None)
+        export_engine(Checkpoint(ckpt), engine, max_seq=160, max_batch=1, max_prompt=96, precision="fp8", say=lambda msg: None)
     return ckpt, engine
 
 
@@ -294,9 +295,10 @@ def test_fp8_engine_follows_the_ort_fp8_twin_on_the_mid_checkpoint(tmp_path_fact
     between runs."""
     from fp8_twin import twin_logits
 
-    from higgs_trt.builder.engine_weights import EngineWeights
-    from higgs_trt.builder.gpu_engine import load_gpu_engine
-    from higgs_trt.runtime.engines import open_engine as open_slots, open_sources
+    from higgs_trt.runtime.cli.engines import open_engine as open_slots
+    from higgs_trt.runtime.cli.engines import open_sources
+    from higgs_trt.runtime.gpu.engine import load_gpu_engine
+    from higgs_trt.runtime.gpu.weights import EngineWeights
     from higgs_trt.runtime.manifest import EngineDir
 
     cache = os.environ.get("HIGGS_TEST_CACHE")
@@ -328,11 +330,13 @@ def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature,
     """A request prefills from the captured graph of one prompt alone and when it joins a batch mid-flight (whose 7
     requests prefilled together from the graph of 8, one empty prompt filling it up), and from the graph of 8 in the
     middle of a group of 8: the same codes each time."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.torch_backend import bf16_reference
     from higgs_trt.calibration.calibrate import calibrate
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.scheduler import Scheduler, request_for
 
-    amax = calibrate(tiny, device="cuda")["activation_amax"] if precision == "fp8" else None
+    amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
     engine = open_engine(tiny, amax=amax)
     texts = ["Hello there, how are you doing today?", "She sells sea shells by the sea shore.",
              "Numbers: one, two, three.", "Wait... what? No way!", "A journey of a thousand miles.",
@@ -369,11 +373,10 @@ def compiled_variants():
     """How many variants Triton has compiled of each kernel of the engine, in this process."""
     from triton.runtime.jit import JITFunction
 
-    from higgs_trt.builder import gpu_kernels
-    from higgs_trt.plugins import kernels as plugin_kernels
+    from higgs_trt.plugins import attention, codebook, engine_kernels, rope
 
     return {name: sum(len(cache[0]) for cache in k.device_caches.values())
-            for module in (gpu_kernels, plugin_kernels) for name, k in vars(module).items()
+            for module in (engine_kernels, attention, codebook, rope) for name, k in vars(module).items()
             if isinstance(k, JITFunction)}
 
 
@@ -406,7 +409,7 @@ def test_codec_graphs_cover_every_window_of_the_plan(tiny):
     from higgs_trt.runtime.streaming import StreamPlan
 
     engine = open_engine(tiny)
-    assert {shape for _, shape in engine.codec_graphs} == {(18, (0, 8)), (43, (8, 33)), (45, (10, 35)), (45, (10, 45))}
+    assert {shape for _, shape in engine.codec_calls.graphs} == {(18, (0, 8)), (43, (8, 33)), (45, (10, 35)), (45, (10, 45))}
     Scheduler(engine, StreamPlan.exact(engine.codec_strides, first=2))
-    assert {frames for _, (frames, _) in engine.codec_graphs} == {12, 18, 20, 43, 45}
-    assert {n for n, (frames, _) in engine.codec_graphs if frames == 12} == set(engine.codec_buckets)
+    assert {frames for _, (frames, _) in engine.codec_calls.graphs} == {12, 18, 20, 43, 45}
+    assert {n for n, (frames, _) in engine.codec_calls.graphs if frames == 12} == set(engine.codec_calls.buckets)

@@ -1,5 +1,5 @@
-"""The GPU path's kernels (builder/gpu_kernels.py, and the attention / norm+rope / end-finding kernels of
-plugins/kernels.py) against torch references, run by Triton's interpreter on the CPU (the same kernels run on the
+"""The GPU path's kernels (plugins/engine_kernels.py, and the attention / norm+rope / end-finding kernels of
+plugins/attention.py, rope.py, codebook.py) against torch references, run by Triton's interpreter on the CPU (the same kernels run on the
 H200 in tests/test_gpu_engine.py, with tighter bounds). Each check runs in a child process: TRITON_INTERPRET must be
 set before Triton is imported.
 
@@ -14,9 +14,9 @@ from interpreted import run_interpreted
 
 PRELUDE = """
 import numpy as np, torch, torch.nn.functional as F
-from higgs_trt.builder import gpu_kernels
-from higgs_trt.plugins import kernels
-from higgs_trt.calibration.qdq import bf16_scale, quantize_weight
+from higgs_trt.plugins import engine_kernels
+from higgs_trt.plugins import attention, codebook, rope
+from higgs_trt.plugins.fp8 import bf16_scale, quantize_weight
 torch.manual_seed(0)
 """
 
@@ -37,7 +37,7 @@ def linear(x, w, up=None, fp8=False, residual=None, split=1, block_n=16, block_k
     rows = min(64, max(16, 1 << (m - 1).bit_length()))
     in_program = m > rows if in_program is None else in_program  # the engine's rule at its smallest threshold
     grid = (persistent,) if persistent else (-(-m // rows), -(-n // block_n), 1 if in_program else split)
-    gpu_kernels.linear[grid](
+    engine_kernels.linear[grid](
         x, w8, u8 if up is not None else w8, ws, us, out, out, partials, tickets, m, xs, 1.0, N=n, K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split, ROWS=rows, FP8=fp8, GATED=up is not None,
         RESIDUAL=residual is not None, OUT_F32=False, SPLITS_IN_PROGRAM=in_program, PERSISTENT=bool(persistent))
@@ -122,8 +122,9 @@ def test_tma_tiles_equal_per_thread_loads_bit_for_bit():
     holds; rows past M are never written."""
     run(LINEAR + """
 from dataclasses import replace
-from higgs_trt.builder.gpu_engine import Workspace
-from higgs_trt.builder.gpu_linear import Linear, TileConfig
+from higgs_trt.runtime.gpu.engine import Workspace
+from higgs_trt.runtime.gpu.linear import Linear
+from higgs_trt.runtime.gpu.tiles import TileConfig
 for n, k, gated, fp8, tiles, m in [(96, 200, False, False, TileConfig(64, 64, 1), 3),
                                    (128, 192, True, True, TileConfig(64, 64, 2), 20),
                                    (80, 208, False, True, TileConfig(64, 64, 3, persistent=1), 5),
@@ -157,7 +158,7 @@ xs, next_scale = float(bf16_scale(float(x.float().abs().max()))), 0.004
 quantized = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 def call(inp, out, split, gated):
-    gpu_kernels.linear[(1, n // 32, split)](
+    engine_kernels.linear[(1, n // 32, split)](
         inp, w8, u8 if gated else w8, ws, us, out, out, torch.zeros(2 * 8 * 64 * n), torch.zeros(n, dtype=torch.int32),
         m, xs, next_scale, N=n, K=k, BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, ROWS=16, FP8=True, GATED=gated,
         RESIDUAL=False, OUT_F32=False, X_FP8=inp.dtype == torch.float8_e4m3fn,
@@ -196,8 +197,9 @@ def test_engine_linear_dispatch_computes_every_row_with_each_tile_kind():
     prefill calls of 1 to 100 rows; every row is right, and a row's numbers are the same at one row and among 100,
     decode with decode, prefill with prefill."""
     run(LINEAR + """
-from higgs_trt.builder.gpu_engine import Workspace
-from higgs_trt.builder.gpu_linear import Linear, TileConfig
+from higgs_trt.runtime.gpu.engine import Workspace
+from higgs_trt.runtime.gpu.linear import Linear
+from higgs_trt.runtime.gpu.tiles import TileConfig
 k, n = 96, 64
 w = (torch.randn(n, k) / k ** 0.5).bfloat16()
 up = (torch.randn(n, k) / k ** 0.5).bfloat16()
@@ -224,15 +226,15 @@ for fp8 in (False, True):
 
 def test_quantize_rows_gives_the_codes_an_fp8_linear_makes_of_bf16_rows():
     run(LINEAR + """
-from higgs_trt.builder.gpu_engine import Workspace
-from higgs_trt.builder.gpu_linear import Linear
+from higgs_trt.runtime.gpu.engine import Workspace
+from higgs_trt.runtime.gpu.linear import Linear
 k, n, m = 96, 64, 7
 w = (torch.randn(n, k) / k ** 0.5).bfloat16()
 x = torch.randn(m, k).bfloat16()
 lin = Linear(w, act_amax=float(x.float().abs().max()))
 ws = Workspace(n, 8, 1, 1, 16, 16, "cpu")
 codes = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
-gpu_kernels.quantize_rows[(m, 2)](x, codes, lin.x_scale, N=k, BLOCK=64)
+engine_kernels.quantize_rows[(m, 2)](x, codes, lin.x_scale, N=k, BLOCK=64)
 a, b = torch.zeros(m, n).bfloat16(), torch.zeros(m, n).bfloat16()
 lin(x, a, m, ws)
 lin(codes, b, m, ws)
@@ -247,18 +249,18 @@ def test_rms_norm_and_advance_slots():
 x = torch.randn(5, 48).bfloat16() * 3
 w = (1 + 0.1 * torch.randn(48)).bfloat16()
 out = torch.empty_like(x)
-gpu_kernels.rms_norm[(5,)](x, w, out, 1e-6, 1.0, H=48, BLOCK=64)
+engine_kernels.rms_norm[(5,)](x, w, out, 1e-6, 1.0, H=48, BLOCK=64)
 h = x.float()
 ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
 assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -6).all()  # two bf16 roundings
 codes = torch.zeros(5, 48, dtype=torch.float8_e4m3fn)  # as the input of an FP8 linear: the same rows quantized
-gpu_kernels.rms_norm[(5,)](x, w, codes, 1e-6, 0.01, H=48, BLOCK=64, OUT_FP8=True)
+engine_kernels.rms_norm[(5,)](x, w, codes, 1e-6, 0.01, H=48, BLOCK=64, OUT_FP8=True)
 expected = (out.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
 assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
 
 pos, row = torch.tensor([5, 9, 127, 3]), torch.tensor([1, 2, 3, 4])
 end, nxt, active = torch.full((4,), 1 << 40), torch.tensor([7, 8, 9, 10]), torch.tensor([1, 0, 1, 1], dtype=torch.int32)
-gpu_kernels.advance_slots[(1,)](pos, row, end, nxt, active, 3, 128, BLOCK=16)
+engine_kernels.advance_slots[(1,)](pos, row, end, nxt, active, 3, 128, BLOCK=16)
 assert pos.tolist() == [6, 9, 127, 3]  # inactive stays; the last cache row is kept; slot 3 is past n
 assert row.tolist() == [2, 2, 4, 4] and end.tolist() == [7, 1 << 40, 9, 1 << 40]
 """)
@@ -269,18 +271,18 @@ def test_snake_in_one_pass_equals_the_codec_formula():
     run: over [B, C, T] (T not a multiple of the block, channels with their own alpha), and over channels-last rows
     [B, T, C] taken from a longer window (the batch stride is not the rows') with a bias per channel added first."""
     run("""
-from higgs_trt.builder.codec import Snake
+from higgs_trt.runtime.gpu.codec import Snake
 snake = Snake(6)
 snake.alpha.data = torch.rand(1, 6, 1) * 2 + 0.05
 x = torch.randn(3, 6, 1500) * 4
 out = torch.empty_like(x)
-gpu_kernels.snake[(3, 9)](x, snake.alpha, snake.alpha, out, 6 * 1500, 6 * 1500, 6, 1500, HAS_BIAS=False, BLOCK=1024)
+engine_kernels.snake[(3, 9)](x, snake.alpha, snake.alpha, out, 6 * 1500, 6 * 1500, 6, 1500, HAS_BIAS=False, BLOCK=1024)
 ref = snake(x)
 assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref).abs().max())
 bias = torch.randn(6)
 rows = (torch.randn(3, 1700, 6) * 4)[:, 100:1600]
 out = torch.empty(3, 1500, 6)
-gpu_kernels.snake[(3, 9)](rows, snake.alpha, bias, out, 1700 * 6, 1500 * 6, 6, 1, HAS_BIAS=True, BLOCK=1024)
+engine_kernels.snake[(3, 9)](rows, snake.alpha, bias, out, 1700 * 6, 1500 * 6, 6, 1, HAS_BIAS=True, BLOCK=1024)
 ref = snake((rows + bias).transpose(1, 2)).transpose(1, 2)
 assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref).abs().max())
 """)
@@ -288,8 +290,9 @@ assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref
 
 def test_qk_norm_rope_kv_write_matches_the_reference():
     run("""
-from higgs_trt.builder.config import HiggsConfig
-from higgs_trt.builder.model import RMSNorm, rope_table
+from higgs_trt.runtime.config import HiggsConfig
+from higgs_trt.builder.model import RMSNorm
+from higgs_trt.plugins.rope_table import rope_table
 from torch.onnx import ops as onnx_ops
 Hq, Hkv, D, S, SM, B = 4, 2, 16, 3, 32, 2
 cfg = HiggsConfig(64, 1, Hq, Hkv, D, 128, 100, 1e-6, 1e6, 32768)
@@ -300,7 +303,7 @@ qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1
 wp = torch.tensor([0, SM - S])
 kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
 kc2, vc2, q_out = kc.clone(), vc.clone(), torch.empty(B * S, Hq * D).bfloat16()
-kernels.qk_norm_rope_kv_write[(B * S,)](qkv, qn.weight, kn.weight, cos, sin, wp, q_out, kc2, vc2, S, SM, 1e-6,
+rope.qk_norm_rope_kv_write[(B * S,)](qkv, qn.weight, kn.weight, cos, sin, wp, q_out, kc2, vc2, S, SM, 1e-6,
                                         Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
 x = qkv.view(B, S, -1)
 q = qn(x[..., :Hq * D].reshape(B, S, Hq, D)).transpose(1, 2)
@@ -356,7 +359,7 @@ def reference(q, kc, vc, lengths):
 
 def test_split_decode_attention_writes_the_new_key_and_reads_only_each_prefix():
     run(ATTENTION + ROTATED + """
-from higgs_trt.builder.gpu_engine import attention_tma
+from higgs_trt.runtime.gpu.engine import attention_tma
 lengths = [1, 17, 40, 96, 65]
 B = len(lengths)
 qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths, Hq, Hkv, D, SM)
@@ -371,7 +374,7 @@ def attend(rows, fp8_scale=None, tma=False):
     parts, stats = torch.zeros(b, Hq, chunks, D), torch.zeros(b, Hq, chunks, 2)
     tickets = torch.zeros(b * Hkv, dtype=torch.int32)
     descriptors = attention_tma(kc2, vc2, 16) if tma else {}
-    kernels.decode_attention_split[(b, Hkv, chunks)](
+    attention.decode_attention_split[(b, Hkv, chunks)](
         qkv[rows], qn, kn, cos, sin, kc2, vc2, pos[rows], out, parts, stats, tickets, SM, 1e-6,
         fp8_scale or 1.0, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks,
         OUT_FP8=bool(fp8_scale), **descriptors)
@@ -387,7 +390,7 @@ assert torch.equal(kc3.view(torch.int16), kc2.view(torch.int16)) and torch.equal
 # the reference starts from q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested above), over the
 # keys as written: the bound measures attention, not q's roundings
 q_chain = torch.empty(B, Hq * D).bfloat16()
-kernels.qk_norm_rope_kv_write[(B,)](qkv, qn, kn, cos, sin, pos, q_chain, kc.clone(), vc.clone(), 1, SM,
+rope.qk_norm_rope_kv_write[(B,)](qkv, qn, kn, cos, sin, pos, q_chain, kc.clone(), vc.clone(), 1, SM,
                                     1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
 ref = reference(q_chain.view(B, Hq, D), kc2, vc2, lengths)
 assert ((got.float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all(), float((got.float() - ref).abs().max())
@@ -408,7 +411,7 @@ q = torch.randn(B, Hq, S, D).bfloat16()
 kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
 out = torch.full((B, Hq, S, D), float("nan")).bfloat16()
 scaled = (q.float() * D ** -0.5).bfloat16()  # the plugin takes q scaled, as the graph's Attention op does
-kernels.decode_attention[(B, Hkv, -(-S * (Hq // Hkv) // 16))](scaled, kc, vc, wp, S, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv,
+attention.decode_attention[(B, Hkv, -(-S * (Hq // Hkv) // 16))](scaled, kc, vc, wp, S, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv,
                                                               HEAD_DIM=D, BLOCK_Q=16, BLOCK_S=16)
 for s in range(S):
     ref = reference(q[:, :, s], kc, vc, (wp + s + 1).tolist())
@@ -430,7 +433,7 @@ end = torch.tensor([NO_END, NO_END, NO_END, 18])
 table = torch.randn(K * V, H).bfloat16()
 codes, emb, end_next = torch.empty(B, K, dtype=torch.int32), torch.empty(B, H).bfloat16(), torch.empty(B, dtype=torch.int64)
 zeros = torch.zeros(B)
-kernels.delayed_codebook_sample[(B, 2)](logits, row, end, table, zeros, zeros.int(), zeros + 1, row, codes, emb,
+codebook.delayed_codebook_sample[(B, 2)](logits, row, end, table, zeros, zeros.int(), zeros + 1, row, codes, emb,
                                         end_next, K=K, VOCAB=V, HIDDEN=H, BLOCK_V=2048, BLOCK_H=32)
 want = delay_mask(logits.argmax(-1).numpy(), row.numpy(), end.numpy())
 assert np.array_equal(codes.numpy(), want)
@@ -448,14 +451,14 @@ def test_engine_prefills_joins_together_as_each_alone(tiny_ckpt):
     padded to a captured graph's buckets, the same keys, values and logits."""
     run(f"""
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.gpu_engine import GpuEngine, slot_runs
-from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.gpu.engine import GpuEngine, slot_runs
+from higgs_trt.runtime.config import lm_tensor_shapes
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from pathlib import Path
 
 ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
-tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
 tok = HiggsTokenizer(Path({str(tiny_ckpt)!r}) / "tokenizer.json")
 ps = [build_prompt(tok, t) for t in ("Hello there.", "She sells sea shells by the sea shore, twice.", "Hi")]
 
@@ -496,14 +499,14 @@ def test_engine_step_of_several_rows_equals_single_steps(tiny_ckpt):
     first, that as many one-row steps give."""
     run(f"""
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.gpu_engine import STEP_ROWS, GpuEngine
-from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.gpu.engine import STEP_ROWS, GpuEngine
+from higgs_trt.runtime.config import lm_tensor_shapes
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from pathlib import Path
 
 ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
-tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
 prompt = build_prompt(HiggsTokenizer(Path({str(tiny_ckpt)!r}) / "tokenizer.json"), "Hello there.")
 rows = STEP_ROWS[1]
 
@@ -533,9 +536,9 @@ def test_fp8_engine_follows_the_ort_fp8_twin_teacher_forced(tiny_fp8_engine, tin
     run(f"""
 from pathlib import Path
 from fp8_twin import twin_logits
-from higgs_trt.builder.engine_weights import EngineWeights
-from higgs_trt.builder.gpu_engine import GpuEngine
-from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.gpu.weights import EngineWeights
+from higgs_trt.runtime.gpu.engine import GpuEngine
+from higgs_trt.runtime.config import lm_tensor_shapes
 from higgs_trt.calibration.calibrate import load_calibration
 from higgs_trt.runtime.decoding import NO_END, Sampling
 from higgs_trt.runtime.manifest import EngineDir
@@ -547,7 +550,7 @@ twin, fed = twin_logits(engine, prompt, 12, "lm_fp8_bf16ref")
 
 weights = EngineWeights(engine)
 amax = load_calibration(engine.path / engine.manifest["calibration"]["file"], engine.fingerprint)["activation_amax"]
-gpu = GpuEngine(weights.config, weights.take(HiggsLM.expected_tensors(weights.config), "language model"), max_seq=64,
+gpu = GpuEngine(weights.config, weights.take(lm_tensor_shapes(weights.config), "language model"), max_seq=64,
                 max_batch=1, max_prompt=32, act_amax=amax, device="cpu", graphs=False)
 gpu.prefill([(0, prompt, Sampling())])
 got = [gpu.logits[0].clone()]
@@ -564,20 +567,20 @@ assert cos.min() >= 0.9999, cos.tolist()
 
 def test_engine_steps_of_17_rows_decode_a_request_as_alone(tiny_ckpt):
     """17 requests at once step in the 32-row bucket (the GEMMs' wide tiles, decode attention by TMA:
-    gpu_engine.ATTENTION_TMA_BUCKETS), one alone in the 1-row bucket (narrow tiles, per-thread loads): the request's
+    launches.ATTENTION_TMA_BUCKETS), one alone in the 1-row bucket (narrow tiles, per-thread loads): the request's
     codes are the same (the tiny engine in Triton's interpreter on the CPU)."""
     run(f"""
 from pathlib import Path
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.codec import CodecDecoder
-from higgs_trt.builder.gpu_engine import GpuEngine
-from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.gpu.codec import CodecDecoder
+from higgs_trt.runtime.gpu.engine import GpuEngine
+from higgs_trt.runtime.config import lm_tensor_shapes
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from higgs_trt.runtime.scheduler import Scheduler, request_for
 
 ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
-tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
 engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=32, max_prompt=32, device="cpu", graphs=False,
                    codec=CodecDecoder.from_checkpoint(ckpt))
 tok = HiggsTokenizer(ckpt.dir / "tokenizer.json")
@@ -598,8 +601,9 @@ def recorded_step(ckpt_dir) -> str:
     `launched`, after one step."""
     return f"""
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.gpu_engine import GpuEngine
-from higgs_trt.builder.model import HiggsLM
+from higgs_trt.plugins import attention, codebook, engine_kernels
+from higgs_trt.runtime.gpu.engine import GpuEngine
+from higgs_trt.runtime.config import lm_tensor_shapes
 from pathlib import Path
 
 launched = []
@@ -615,14 +619,14 @@ class Recorded:
             return launch(*args, **kwargs)
         return run
 
-for module, name in ((gpu_kernels, "rms_norm"), (gpu_kernels, "linear"), (gpu_kernels, "advance_slots"),
-                     (kernels, "decode_attention_split"), (kernels, "delayed_codebook_sample")):
+for module, name in ((engine_kernels, "rms_norm"), (engine_kernels, "linear"), (engine_kernels, "advance_slots"),
+                     (attention, "decode_attention_split"), (codebook, "delayed_codebook_sample")):
     setattr(module, name, Recorded(getattr(module, name)))
 ckpt = Checkpoint(Path({str(ckpt_dir)!r}))
-tensors = ckpt.take(HiggsLM.expected_tensors(ckpt.config), "language model")
+tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
 engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=1, max_prompt=32, device="cpu", graphs=False)
 engine.active[:1] = 1
-engine._decode(1)
+engine.decode_step(1)
 """
 
 
@@ -630,7 +634,7 @@ def test_profile_labels_follow_the_engines_launch_order(tiny_ckpt):
     """bench profile names each kernel of a step by its place: the names must follow the order in which the engine's
     decode step launches them (recorded here around every kernel of a tiny engine's step)."""
     run(recorded_step(tiny_ckpt) + """
-from higgs_trt.builder.gpu_profile import label_step
+from higgs_trt.runtime.bench.profile import label_step
 labels = label_step(launched, ckpt.config.num_layers)
 assert labels[:7] == ["norm (input)", "q|k|v", "attention", "o", "norm (post)", "gate|up", "down"], labels[:7]
 assert labels[-4:] == ["norm (final)", "audio head", "codebook", "advance"]
@@ -647,14 +651,14 @@ def test_leave_out_launches_none_of_a_kind_and_puts_the_kernels_back(tiny_ckpt):
     """bench profile --leave-out times the step without a kernel kind: inside left_out the engine's step launches
     none of it and every other kernel as before; afterwards the kernels are the ones that were there."""
     run(recorded_step(tiny_ckpt) + """
-from higgs_trt.builder.gpu_profile import LEAVE_OUT, left_out
+from higgs_trt.runtime.bench.profile import LEAVE_OUT, left_out
 every = list(launched)
 names = {"norms": "rms_norm", "attention": "decode_attention_split", "GEMMs": "linear"}
 before = {(module, name): getattr(module, name) for targets in LEAVE_OUT.values() for module, name in targets}
 for kinds in (("norms",), ("attention",), ("GEMMs",), ("norms", "attention")):
     launched.clear()
     with left_out(kinds):
-        engine._decode(1)
+        engine.decode_step(1)
     gone = {names[kind] for kind in kinds}
     assert launched == [name for name in every if name not in gone], (kinds, launched)
     assert all(getattr(module, name) is kernel for (module, name), kernel in before.items())
@@ -662,7 +666,7 @@ for kinds in (("norms",), ("attention",), ("GEMMs",), ("norms", "attention")):
 
 
 def test_profile_summary_per_layer_and_read_rate():
-    from higgs_trt.builder.gpu_profile import LAYER, TAIL, label_step, summarize
+    from higgs_trt.runtime.bench.profile import LAYER, TAIL, label_step, summarize
 
     names = [kernel + "_0d1d" for kernel, _ in LAYER] * 2 + [kernel for kernel, _ in TAIL]
     labels = label_step(names, 2)

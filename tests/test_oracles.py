@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-
 from hf_codec import hf_codec_class
 
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.codec import PREFIX, CodecDecoder
 from higgs_trt.builder.model import HiggsLM
+from higgs_trt.runtime.gpu.codec import PREFIX, CodecDecoder
 
 transformers = pytest.importorskip("transformers")
 

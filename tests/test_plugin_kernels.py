@@ -16,8 +16,8 @@ def ulp(x):
 
 @pytest.fixture(scope="module")
 def rope():
-    from higgs_trt.builder.config import HiggsConfig
-    from higgs_trt.builder.model import rope_table
+    from higgs_trt.plugins.rope_table import rope_table
+    from higgs_trt.runtime.config import HiggsConfig
 
     cfg = HiggsConfig(HIDDEN, 36, HQ, HKV, D, 9728, 151936, 1e-6, 1e6, 32768)
     return tuple(t.cuda() for t in rope_table(cfg, S_MAX, torch.bfloat16))
@@ -34,14 +34,14 @@ def rope_inputs(b, s, rope):
 
 @pytest.mark.parametrize("b, s", [(1, 1), (8, 1), (64, 1), (2, 7)])
 def test_rope_kv_write_matches_torch(b, s, rope):
-    from higgs_trt.plugins import kernels
-    from higgs_trt.plugins.ops import rope_kv_write
+    from higgs_trt.builder.plugin_ops import rope_kv_write
+    from higgs_trt.plugins import rope
 
     q, k, v, cos, sin, pos, kc, vc = rope_inputs(b, s, rope)
     exact = rope_kv_write(*(t.float() for t in (q, k, v, cos, sin)), pos, kc.float(), vc.float())
     bf16 = rope_kv_write(q, k, v, cos, sin, pos, kc, vc)  # torch's bf16 ops: a rounding per op
     q_out = torch.full_like(q, float("nan"))
-    kernels.rope_kv_write[(b * s,)](q, k, v, cos, sin, pos, kc, vc, s, S_MAX, q_out, kc, vc, Q_HEADS=HQ, KV_HEADS=HKV,
+    rope.rope_kv_write[(b * s,)](q, k, v, cos, sin, pos, kc, vc, s, S_MAX, q_out, kc, vc, Q_HEADS=HQ, KV_HEADS=HKV,
                                     HALF=D // 2)
     torch.cuda.synchronize()
     assert ((q_out.float() - exact[0]).abs() <= ulp(exact[0])).all()
@@ -53,9 +53,9 @@ def test_rope_kv_write_matches_torch(b, s, rope):
 
 @pytest.mark.parametrize("b", [1, 8, 64])
 def test_delayed_codebook_step_matches_torch(b):
-    from higgs_trt.plugins import kernels
+    from higgs_trt.builder.plugin_ops import delayed_codebook_step
+    from higgs_trt.plugins import codebook
     from higgs_trt.plugins.aot import NUM_WARPS, constants_for, grid
-    from higgs_trt.plugins.ops import delayed_codebook_step
 
     g = torch.Generator(device="cuda").manual_seed(b)
     logits = torch.randn(b, K, V, device="cuda", generator=g) * 4
@@ -66,7 +66,7 @@ def test_delayed_codebook_step_matches_torch(b):
     codes = torch.full((b, K), -7, device="cuda", dtype=torch.int32)
     embedding = torch.full((b, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
     constants = constants_for("delayed_codebook_step", D, HIDDEN, HQ, HKV)
-    kernels.delayed_codebook_step[grid("delayed_codebook_step", constants, b)](
+    codebook.delayed_codebook_step[grid("delayed_codebook_step", constants, b)](
         logits, row, end, table, codes, embedding, **constants, num_warps=NUM_WARPS["delayed_codebook_step"])
     ref_codes, ref_embedding = delayed_codebook_step(logits, row, end, table)
     assert torch.equal(codes, ref_codes)
@@ -77,9 +77,9 @@ def test_delayed_codebook_step_matches_torch(b):
 
 
 def test_sampling_kernel_matches_its_reference():
-    from higgs_trt.plugins import kernels
-    from higgs_trt.runtime import sampling as reference
+    from higgs_trt.plugins import codebook
     from higgs_trt.plugins.aot import NUM_WARPS, constants_for, grid
+    from higgs_trt.runtime import sampling as reference
 
     b = 64
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -93,7 +93,7 @@ def test_sampling_kernel_matches_its_reference():
     codes = torch.empty(b, K, device="cuda", dtype=torch.int32)
     embedding = torch.empty(b, HIDDEN, device="cuda", dtype=torch.bfloat16)
     constants = constants_for("delayed_codebook_step", D, HIDDEN, HQ, HKV)
-    kernels.delayed_codebook_sample[grid("delayed_codebook_step", constants, b)](
+    codebook.delayed_codebook_sample[grid("delayed_codebook_step", constants, b)](
         logits, row, end, table, temperature, top_k, top_p, seed, codes, embedding, torch.empty_like(row), **constants,
         num_warps=NUM_WARPS["delayed_codebook_step"])
     x, t, tk, tp = logits.cpu().numpy(), temperature.tolist(), top_k.tolist(), top_p.tolist()
@@ -107,7 +107,7 @@ def test_sampling_kernel_matches_its_reference():
 
 def test_aot_ptx_launched_like_tensorrt_equals_the_jit_kernels(rope):
     """The PTX TensorRT would embed, launched through the CUDA driver with TensorRT's argument order."""
-    from higgs_trt.plugins import kernels
+    from higgs_trt.plugins import codebook, rope
     from higgs_trt.plugins.aot import NUM_WARPS, compile_kernel, constants_for, grid
     from higgs_trt.plugins.launch import PtxKernel
 
@@ -117,7 +117,7 @@ def test_aot_ptx_launched_like_tensorrt_equals_the_jit_kernels(rope):
     kc2, vc2 = kc.clone(), vc.clone()
     jit_q = torch.empty_like(q)
     constants = constants_for("rope_kv_write", D, HIDDEN, HQ, HKV)
-    kernels.rope_kv_write[grid("rope_kv_write", constants, b, s)](q, k, v, cos, sin, pos, kc, vc, s, S_MAX, jit_q, kc,
+    rope.rope_kv_write[grid("rope_kv_write", constants, b, s)](q, k, v, cos, sin, pos, kc, vc, s, S_MAX, jit_q, kc,
                                                                   vc, **constants)
     aot = compile_kernel("rope_kv_write", constants)
     aot_q = torch.empty_like(q)
@@ -134,7 +134,7 @@ def test_aot_ptx_launched_like_tensorrt_equals_the_jit_kernels(rope):
     outs = [(torch.empty(b, K, device="cuda", dtype=torch.int32), torch.empty(b, HIDDEN, device="cuda").bfloat16())
             for _ in range(2)]
     launch = grid("delayed_codebook_step", constants, b)
-    kernels.delayed_codebook_step[launch](logits, row, end, table, *outs[0], **constants,
+    codebook.delayed_codebook_step[launch](logits, row, end, table, *outs[0], **constants,
                                           num_warps=NUM_WARPS["delayed_codebook_step"])
     aot = compile_kernel("delayed_codebook_step", constants)
     PtxKernel(aot.ptx, aot.entry, aot.threads, aot.shared)(
@@ -186,10 +186,10 @@ def test_runtime_cuda_helpers_capture_and_replay_a_step(rope):
 @pytest.mark.parametrize("b, s", [(1, 1), (64, 1), (2, 9)])
 def test_decode_attention_plugin_aot_ptx_equals_jit_and_the_reference(b, s):
     """decode_attention's PTX launched with TensorRT's argument order (q, caches, write_pos; S, S_max; out)."""
-    from higgs_trt.plugins import kernels
+    from higgs_trt.builder.plugin_ops import decode_attention
+    from higgs_trt.plugins import attention
     from higgs_trt.plugins.aot import NUM_WARPS, compile_kernel, constants_for, grid
     from higgs_trt.plugins.launch import PtxKernel
-    from higgs_trt.plugins.ops import decode_attention
 
     torch.cuda.init()
     g = torch.Generator(device="cuda").manual_seed(b * 10 + s)
@@ -199,7 +199,7 @@ def test_decode_attention_plugin_aot_ptx_equals_jit_and_the_reference(b, s):
     constants = constants_for("decode_attention", D, HIDDEN, HQ, HKV)
     launch = grid("decode_attention", constants, b, s)
     jit = torch.full_like(q, float("nan"))
-    kernels.decode_attention[launch](q, kc, vc, pos, s, S_MAX, jit, **constants, num_warps=NUM_WARPS["decode_attention"])
+    attention.decode_attention[launch](q, kc, vc, pos, s, S_MAX, jit, **constants, num_warps=NUM_WARPS["decode_attention"])
     aot = compile_kernel("decode_attention", constants)
     ptx = torch.full_like(q, float("nan"))
     PtxKernel(aot.ptx, aot.entry, aot.threads, aot.shared)(

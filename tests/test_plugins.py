@@ -10,15 +10,15 @@ import onnxruntime as ort
 import pytest
 from interpreted import run_interpreted
 
+from higgs_trt.builder.plugin_ops import PluginOps
 from higgs_trt.builder.torch_backend import TorchBackend
-from higgs_trt.plugins.ops import PluginOps
 from higgs_trt.plugins.schemas import strip_functions
+from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.generate import NO_END, generate, prefill_feeds, step_feeds
 from higgs_trt.runtime.manifest import EngineDir
-from higgs_trt.runtime.ort_backend import OrtBackend
-from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+from higgs_trt.runtime.stepper import HostStepper
 
 pytest.importorskip("triton")
 
@@ -78,11 +78,11 @@ def test_manifest_records_the_plugins_and_their_ptx(tiny_plugin_engine):
 
 KERNEL_CHECK = r"""
 import numpy as np, torch
-from higgs_trt.plugins import kernels
+from higgs_trt.plugins import codebook, rope
 from higgs_trt.runtime import sampling as reference
-from higgs_trt.plugins.ops import rope_kv_write, delayed_codebook_step
-from higgs_trt.builder.model import rope_table
-from higgs_trt.builder.config import HiggsConfig
+from higgs_trt.builder.plugin_ops import rope_kv_write, delayed_codebook_step
+from higgs_trt.plugins.rope_table import rope_table
+from higgs_trt.runtime.config import HiggsConfig
 torch.manual_seed(0)
 B, Hq, Hkv, S, D, SM = 2, 4, 2, 3, 16, 32
 cfg = HiggsConfig(64, 1, Hq, Hkv, D, 128, 100, 1e-6, 1e6, 32768)
@@ -94,13 +94,13 @@ kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloa
 # (not half: its fp32 arithmetic may contract to FMAs and land on the other side of a rounding boundary)
 ref = rope_kv_write(*(t.float() for t in (q, k, v, cos, sin)), wp, kc.float(), vc.float())
 qo, kc2, vc2 = torch.empty_like(q), kc.clone(), vc.clone()
-kernels.rope_kv_write[(B * S,)](q, k, v, cos, sin, wp, kc2, vc2, S, SM, qo, kc2, vc2, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
+rope.rope_kv_write[(B * S,)](q, k, v, cos, sin, wp, kc2, vc2, S, SM, qo, kc2, vc2, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
 ulp = lambda x: x.abs().clamp(min=2 ** -20) * 2 ** -7
 assert ((qo.float() - ref[0]).abs() <= ulp(ref[0])).all()
 assert ((kc2.float() - ref[1]).abs() <= ulp(ref[1])).all() and torch.equal(vc2.float(), ref[2])
 # rows at or past the end of the cache are dropped (as TensorRT's KV-cache layer does), the rest written
 kc3, vc3 = kc.clone(), vc.clone()
-kernels.rope_kv_write[(B * S,)](q, k, v, cos, sin, torch.tensor([0, SM - 1]), kc3, vc3, S, SM, qo, kc3, vc3,
+rope.rope_kv_write[(B * S,)](q, k, v, cos, sin, torch.tensor([0, SM - 1]), kc3, vc3, S, SM, qo, kc3, vc3,
                                 Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
 assert torch.equal(vc3[1, :, SM - 1], v[1, :, 0]) and torch.equal(vc3[1, :, :SM - 1], vc[1, :, :SM - 1])
 V, K, H = 1026, 8, 64
@@ -109,14 +109,14 @@ logits[0, 2, 5] = logits[0, 2, 7] = 100.0  # a tie: the lower index wins
 row, end, table = torch.tensor([3, 20]), torch.tensor([1 << 40, 15]), torch.randn(K * V, H).bfloat16()
 rc, re = delayed_codebook_step(logits, row, end, table)
 codes, emb = torch.empty(B, K, dtype=torch.int32), torch.empty(B, H, dtype=torch.bfloat16)
-kernels.delayed_codebook_step[(B, 2)](logits, row, end, table, codes, emb, K=K, VOCAB=V, HIDDEN=H, BLOCK_V=2048, BLOCK_H=32)
+codebook.delayed_codebook_step[(B, 2)](logits, row, end, table, codes, emb, K=K, VOCAB=V, HIDDEN=H, BLOCK_V=2048, BLOCK_H=32)
 assert torch.equal(codes, rc) and codes[0, 2] == 5 and codes[0, 4] == 1024 and codes[1, 0] == 1025
 exact = table.float()[(rc.long() + torch.arange(K) * V)].sum(1)  # fp32 sum, rounded once by the kernel
 assert ((emb.float() - exact).abs() <= ulp(exact)).all()
 temp = torch.tensor([0.0, 1.0]); topk = torch.tensor([0, 50], dtype=torch.int32); topp = torch.tensor([1.0, 0.9])
 seed = torch.tensor([7, 8]); row = torch.tensor([30, 30]); end = torch.tensor([1 << 40, 1 << 40])
 end_next = torch.empty(B, dtype=torch.int64)
-kernels.delayed_codebook_sample[(B, 2)](logits, row, end, table, temp, topk, topp, seed, codes, emb, end_next, K=K,
+codebook.delayed_codebook_sample[(B, 2)](logits, row, end, table, temp, topk, topp, seed, codes, emb, end_next, K=K,
                                       VOCAB=V, HIDDEN=H, BLOCK_V=2048, BLOCK_H=32)
 want = [[reference.sample(logits[b, k].numpy(), float(temp[b]), int(topk[b]), float(topp[b]),
                           reference.uniform(int(seed[b]), 30, k)) if temp[b] > 0 else int(logits[b, k].argmax())

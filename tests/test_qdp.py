@@ -19,8 +19,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 import trt_standin
+
 from higgs_trt.plugins import qdp
 from higgs_trt.plugins.rtx_build import SPECS
 from higgs_trt.runtime.errors import HiggsError

@@ -1037,11 +1037,11 @@ def test_a_greedy_run_is_byte_identical_run_to_run(tiny_engine, tmp_path):
 
 
 def test_thirty_sampled_runs_all_terminate(tiny_engine):
+    from higgs_trt.runtime.backends.ort import OrtBackend
+    from higgs_trt.runtime.cli.engines import Sources, load_tokenizer
     from higgs_trt.runtime.decoding import Sampling, row_cap
-    from higgs_trt.runtime.engines import Sources, load_tokenizer
     from higgs_trt.runtime.generate import generate
     from higgs_trt.runtime.manifest import EngineDir
-    from higgs_trt.runtime.ort_backend import OrtBackend
     from higgs_trt.runtime.prompt import build_prompt
     from higgs_trt.runtime.stepper import HostStepper
 

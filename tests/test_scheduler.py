@@ -4,10 +4,10 @@ mid-flight, cancellation frees its slot within a step, the admission queue is bo
 import numpy as np
 import pytest
 
+from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime.generate import generate
 from higgs_trt.runtime.manifest import EngineDir
-from higgs_trt.runtime.ort_backend import OrtBackend
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from higgs_trt.runtime.scheduler import MULTI_ROWS, QueueFull, Scheduler, request_for
 from higgs_trt.runtime.stepper import HostStepper
@@ -320,3 +320,15 @@ def test_the_loop_starts_with_the_heap_kept_out_of_full_collections(engine):
     after = ["made in the loop"]
     tracked = gc.get_objects()
     assert not any(o is before for o in tracked) and any(o is after for o in tracked)
+
+
+def test_both_engine_kinds_implement_every_call_of_the_slot_contract():
+    """HostStepper and GpuEngine declare runtime/slots.SlotEngine; a call the Protocol names that a class left out would
+    be inherited as a silent no-op, so each must define every one itself."""
+    from higgs_trt.runtime.gpu.engine import GpuEngine
+    from higgs_trt.runtime.slots import SlotEngine
+
+    calls = {name for name, value in vars(SlotEngine).items() if callable(value) and not name.startswith("_")}
+    assert calls == {"prefill", "step", "rows", "release", "busy", "prepare_codec", "codec"}
+    for engine in (HostStepper, GpuEngine):
+        assert SlotEngine in engine.__mro__ and calls <= set(vars(engine)), engine

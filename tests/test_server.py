@@ -28,14 +28,14 @@ import soundfile
 from click.testing import CliRunner
 
 from higgs_trt.runtime.audio import encode_reference, load_reference_audio
+from higgs_trt.runtime.backends.ort import OrtBackend, OrtEncoder
 from higgs_trt.runtime.cli import main
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.options import sampling
-from higgs_trt.runtime.ort_backend import OrtBackend, OrtEncoder
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from higgs_trt.runtime.scheduler import Scheduler, request_for
+from higgs_trt.runtime.server.speech_api import MODEL_ID
 from higgs_trt.runtime.sinks import wav_header
-from higgs_trt.runtime.speech_api import MODEL_ID
 from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.wav import pcm16
 
@@ -52,9 +52,10 @@ SPEECH = "/v1/audio/speech"
 @pytest.fixture(scope="module")
 def engine_dir(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with a longer cache than tiny_engine's, so a request can outlast a disconnect."""
+    from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.builder.export import export_engine
 
-    return export_engine(tiny_ckpt, tmp_path_factory.mktemp("serve") / "engine", max_seq=1024, max_batch=4,
+    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("serve") / "engine", max_seq=1024, max_batch=4,
                          max_prompt=160, say=lambda msg: None)
 
 
@@ -394,7 +395,7 @@ def test_bad_requests_get_4xx_naming_the_field(server, case):
 
 @pytest.mark.parametrize("fmt", ["flac", "mp3", "opus"])
 def test_an_utterance_without_audio_is_still_a_file_that_decodes(fmt):
-    from higgs_trt.runtime.server import encode_file
+    from higgs_trt.runtime.server.app import encode_file
 
     audio, rate = soundfile.read(io.BytesIO(encode_file(np.zeros(0, np.float32), fmt)))
     assert rate == 24000 and 1 <= len(audio) <= 960 and np.abs(audio).max() < 1e-3  # lossy codecs: near zero
@@ -508,6 +509,24 @@ def _answer(conn: socket.socket, timeout: float) -> bytes:
     return data
 
 
+def test_the_uvicorn_internals_the_connection_protocol_touches_are_still_there():
+    """runtime/server/h11_connection.py subclasses uvicorn's H11Protocol and reads its attributes; pyproject.toml pins
+    the uvicorn release it was written against. A release that renames or drops one fails here, not in a server."""
+    import inspect
+
+    from uvicorn.protocols.http import h11_impl
+
+    from higgs_trt.runtime.server import h11_connection
+
+    ours = inspect.getsource(h11_connection)
+    theirs = inspect.getsource(h11_impl.H11Protocol)
+    for member in ("connection_made", "data_received", "timeout_keep_alive_handler"):
+        assert f"def {member}(" in theirs and member in ours
+    for attribute in ("connections", "cycle", "transport", "loop", "timeout_keep_alive_task", "timeout_keep_alive"):
+        assert f"self.{attribute}" in theirs and f"self.{attribute}" in ours, attribute
+    assert "self.response_complete" in inspect.getsource(h11_impl.RequestResponseCycle)
+
+
 def test_a_connection_whose_body_outlasts_an_early_answer_is_closed(server):
     """A 405 (or a 429) answered before a large body has arrived: once it has, the connection idles like any other
     after its response and is closed at uvicorn's keep-alive timeout (5 s), not held open for good."""
@@ -522,7 +541,7 @@ def test_a_connection_whose_body_outlasts_an_early_answer_is_closed(server):
 def test_clients_that_stall_or_leave_mid_request_are_dropped_quietly(engine_dir, tmp_path):
     """A body that stalls gets 408 at --timeout; headers that stall are cut; a client that leaves mid-body is no
     traceback; reference-audio bodies beyond LARGE_BODIES_AT_ONCE get 429; a drain does not wait for stalled bodies."""
-    from higgs_trt.runtime.server import LARGE_BODIES_AT_ONCE
+    from higgs_trt.runtime.server.app import LARGE_BODIES_AT_ONCE
 
     s = Server(engine_dir, tmp_path / "stall.log", "--timeout", 2)
     try:
@@ -576,7 +595,7 @@ def test_connections_past_the_open_file_limit_get_503_and_the_server_goes_on(eng
 
 
 def test_the_open_file_limit_is_raised_to_the_hard_one():
-    code = ("import resource; from higgs_trt.runtime.server import raise_open_file_limit as r; "
+    code = ("import resource; from higgs_trt.runtime.server.run import raise_open_file_limit as r; "
             "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 512)); print(r(), resource.getrlimit(resource.RLIMIT_NOFILE))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["512", "(512,", "512)"], out
@@ -623,8 +642,10 @@ def test_health_is_503_until_warm_and_while_shutting_down(engine_dir):
 
     from starlette.testclient import TestClient
 
-    from higgs_trt.runtime.engines import load_tokenizer, open_encoder, open_engine, open_sources
-    from higgs_trt.runtime.server import EngineThread, SpeechService, create_app, load_voices
+    from higgs_trt.runtime.cli.engines import load_tokenizer, open_encoder, open_engine, open_sources
+    from higgs_trt.runtime.server.app import SpeechService, create_app
+    from higgs_trt.runtime.server.engine_thread import EngineThread
+    from higgs_trt.runtime.server.voices import load_voices
 
     sources = open_sources("ort", engine_dir, None, None, None)
     tokenizer, gate = load_tokenizer(sources), threading.Event()
@@ -681,8 +702,10 @@ def test_audio_that_turns_nan_while_serving_fails_its_request_only(engine_dir):
     refused at the warm-up (above), so this is the one way to reach the path."""
     from starlette.testclient import TestClient
 
-    from higgs_trt.runtime.engines import load_tokenizer, open_encoder, open_engine, open_sources
-    from higgs_trt.runtime.server import EngineThread, SpeechService, create_app, load_voices
+    from higgs_trt.runtime.cli.engines import load_tokenizer, open_encoder, open_engine, open_sources
+    from higgs_trt.runtime.server.app import SpeechService, create_app
+    from higgs_trt.runtime.server.engine_thread import EngineThread
+    from higgs_trt.runtime.server.voices import load_voices
 
     sources = open_sources("ort", engine_dir, None, None, None)
     tokenizer = load_tokenizer(sources)
@@ -742,7 +765,7 @@ def test_bench_serve_without_a_server_is_one_error_line():
 
 
 def test_bench_serve_says_that_it_still_waits_for_a_server(monkeypatch):
-    monkeypatch.setattr("higgs_trt.runtime.bench_serve.WAIT_REPORT_S", 0.5)
+    monkeypatch.setattr("higgs_trt.runtime.bench.serve.WAIT_REPORT_S", 0.5)
     r, url = _bench_serve_without_a_server("3")
     lines = r.output.splitlines()  # polled each second: reports at 1 and 2 s, the error at 3
     assert r.exit_code == 1 and lines[-1].startswith("Error: ") and "is not 200 after 3 s" in lines[-1], r.output

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.builder.codec import CodecDecoder
 from higgs_trt.runtime.decoding import EOC, Utterance, apply_delay
 from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.gpu.codec import CodecDecoder
 from higgs_trt.runtime.streaming import CODEC_MAX_FRAMES, StreamPlan, receptive_field
 
 
@@ -58,7 +58,7 @@ def test_a_window_decodes_its_kept_frames_alone_as_the_whole_decode_does(codec, 
 def test_a_dilated_convolution_runs_undilated_over_its_phases(length, dilation):
     """The cropped decode's dilated convolutions (codec._dilated_rows): lengths that are and are not multiples of the
     dilation, zeros past the window's edges."""
-    from higgs_trt.builder.codec import _conv_rows
+    from higgs_trt.runtime.gpu.codec import _conv_rows
 
     torch.manual_seed(length)
     conv = torch.nn.Conv1d(6, 5, 7, dilation=dilation, bias=False).double()

@@ -26,9 +26,9 @@ CODE = {  # module → the bindings it runs with
     "builder/trt_build.py": ("11", "10", "rtx"),
     "builder/compare.py": ("11", "10"),
     "runtime/trt_shim.py": ("11", "10", "rtx", "lean"),
-    "runtime/trt_backend.py": ("11", "10", "lean", "rtx"),
-    "runtime/trt_encoder.py": ("11", "10", "lean", "rtx"),
-    "runtime/doctor.py": ("11", "10", "rtx", "lean"),
+    "runtime/backends/trt.py": ("11", "10", "lean", "rtx"),
+    "runtime/backends/trt_encoder.py": ("11", "10", "lean", "rtx"),
+    "runtime/cli/doctor.py": ("11", "10", "rtx", "lean"),
     "plugins/qdp.py": ("11", "10"),
     "plugins/rtx_build.py": ("rtx",),
 }
@@ -187,7 +187,7 @@ def touches_tensorrt(path: Path) -> bool:
 
 
 def test_every_module_that_touches_tensorrt_is_checked():
-    touching = {str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py") if touches_tensorrt(p)}
+    touching = {str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if touches_tensorrt(p)}
     assert touching == set(CODE)
 
 

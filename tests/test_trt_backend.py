@@ -9,8 +9,8 @@ The CUDA layer is replaced by a recording allocator and copy, passed in as `allo
 import numpy as np
 import pytest
 
+from higgs_trt.runtime.backends.trt import KvCaches
 from higgs_trt.runtime.errors import HiggsError
-from higgs_trt.runtime.trt_backend import KvCaches
 
 NAMES = ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
 SHAPE = (4, 2, 160, 16)  # slots, Hkv, S_max, D

@@ -11,6 +11,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.tiny import write_random_checkpoint
 from higgs_trt.builder.trt_build import build
 from higgs_trt.runtime.cli import main
@@ -29,7 +30,7 @@ def built(tiny_ckpt, tiny_engine, tmp_path_factory):
     out = tmp_path_factory.mktemp("built") / "engine"
     shutil.copytree(tiny_engine, out)
     messages = []
-    build(tiny_ckpt, out, "bf16", "sm89", False, LIMITS, messages.append)
+    build(Checkpoint(tiny_ckpt), out, "bf16", "sm89", False, LIMITS, messages.append)
     return out, messages
 
 
@@ -68,7 +69,7 @@ def test_plans_and_manifest(built):
 
 
 def test_trt_backend_refusals_on_this_machine(built, tiny_engine):
-    from higgs_trt.runtime.trt_backend import TrtBackend
+    from higgs_trt.runtime.backends.trt import TrtBackend
 
     with pytest.raises(HiggsError, match="no TensorRT engines"):
         TrtBackend(EngineDir(tiny_engine))
@@ -88,7 +89,7 @@ def test_corrupted_plan_is_refused(built, tmp_path):
 
 def test_bad_build_requests(tiny_ckpt, tmp_path):
     with pytest.raises(HiggsError, match="unknown target 'sm90'"):
-        build(tiny_ckpt, tmp_path / "e", "bf16", "sm90", False, LIMITS, print)
+        build(Checkpoint(tiny_ckpt), tmp_path / "e", "bf16", "sm90", False, LIMITS, print)
     assert not (tmp_path / "e").exists()  # refused before any export
     r = CliRunner().invoke(main, ["build", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "e"),
                                   "--target", "sm89", "--lean"])
@@ -100,7 +101,7 @@ def test_a_build_for_another_checkpoint_re_exports(built, tmp_path):
     out = shutil.copytree(built[0], tmp_path / "e")
     before = EngineDir(out).fingerprint
     messages = []
-    build(other, out, "bf16", "sm89", False, LIMITS, messages.append)
+    build(Checkpoint(other), out, "bf16", "sm89", False, LIMITS, messages.append)
     assert any(m.startswith("exporting") for m in messages)
     assert EngineDir(out).fingerprint != before
     assert json.loads((out / "manifest.json").read_text())["engines"]["lm"]["file"] == "lm.plan"
@@ -155,7 +156,7 @@ def test_a_rebuild_stopped_while_building_plans_leaves_the_old_engine(tiny_ckpt,
     else:
         assert len(litter) == 1 and litter[0].startswith(".engine.higgs-trt-staging.")
         messages = []
-        build(tiny_ckpt, target, "bf16", "sm89", False, LIMITS, messages.append)
+        build(Checkpoint(tiny_ckpt), target, "bf16", "sm89", False, LIMITS, messages.append)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
         assert _state(target).keys() == before.keys() and EngineDir(target).manifest["build"]["target"] == "sm89"
 
@@ -163,7 +164,7 @@ def test_a_rebuild_stopped_while_building_plans_leaves_the_old_engine(tiny_ckpt,
 def test_fp8_engines_build_with_fp8_layers(tiny_ckpt, tiny_fp8_engine, tiny_calibration, tmp_path):
     out = shutil.copytree(tiny_fp8_engine, tmp_path / "fp8")
     messages = []
-    build(tiny_ckpt, out, "fp8", "sm89", False, LIMITS, messages.append, calibration=tiny_calibration)
+    build(Checkpoint(tiny_ckpt), out, "fp8", "sm89", False, LIMITS, messages.append, calibration=tiny_calibration)
     assert any("reusing the ONNX graphs" in m for m in messages)
     m = EngineDir(out).manifest
     lm = m["engines"]["lm"]
@@ -177,14 +178,14 @@ def test_plugin_path_builds_with_plugin_layers(tiny_ckpt, tiny_plugin_engine, tm
     pytest.importorskip("triton")
     out = shutil.copytree(tiny_plugin_engine, tmp_path / "plugin")
     messages = []
-    build(tiny_ckpt, out, "bf16", "sm89", False, LIMITS, messages.append, ops="plugin")
+    build(Checkpoint(tiny_ckpt), out, "bf16", "sm89", False, LIMITS, messages.append, ops="plugin")
     assert any("reusing the ONNX graphs" in m for m in messages)
     m = EngineDir(out).manifest
     layers = m["engines"]["lm"]["layers"]
     assert layers["PLUGIN_V3"] == 2 * 2 + 1  # rope_kv_write and decode_attention per layer, one delayed_codebook_step
     assert not {"ROTARY_EMBEDDING", "KV_CACHE_UPDATE", "TOPK", "ATTENTION_INPUT", "ATTENTION_OUTPUT"} & set(layers)
     assert m["build"]["plugins"].startswith("build-only") and not list(out.glob(".*for-tensorrt.onnx"))
-    from higgs_trt.runtime.trt_backend import TrtBackend
+    from higgs_trt.runtime.backends.trt import TrtBackend
 
     with pytest.raises(HiggsError, match="build-only twins"):
         TrtBackend(EngineDir(out))

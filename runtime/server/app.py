@@ -1,0 +1,396 @@
+"""`higgs-trt serve`'s HTTP side: OpenAI's speech API as Starlette routes over the engine thread.
+
+  POST /v1/audio/speech   a body as speech_api.py reads it → audio, streamed as it is decoded
+  GET  /v1/models         the one model served;  GET /v1/audio/voices: `default` and --voices DIR's names
+  GET  /health            200 once the engine is loaded and warmed; 503 while loading, shutting down, or failed
+  GET  /metrics           Prometheus text (metrics.py)
+
+A handler submits its request (thread-safe) and gets the audio through an asyncio.Queue that the engine thread feeds
+with `call_soon_threadsafe`. When a response body stops early — the client went away (Starlette cancels the body),
+the request timed out, the server is shutting down — its request is cancelled, and the loop frees the slot at its
+next step.
+
+Formats. wav and pcm stream chunk by chunk (a streamed wav's RIFF and data sizes are 0xFFFFFFFF); flac, mp3 and opus
+are written whole by soundfile once the utterance is complete (a FLAC's STREAMINFO carries the total length and an
+MD5 that libsndfile writes at the end, into a seekable file). SSE carries wav or pcm.
+
+Failures after the response has started (a timeout, an engine failure, audio that came out NaN) cannot change its
+status: a wav or pcm body is cut (the connection closes before the final chunk, so the client sees an incomplete
+response), SSE sends a `speech.audio.error` event. flac, mp3 and opus start only once their file is complete, so
+there the same failures are a 504 or a 500.
+"""
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from higgs_trt.runtime.audio import encode_reference, load_reference_audio, reference_audio_from_bytes
+from higgs_trt.runtime.prompt import build_prompt
+from higgs_trt.runtime.scheduler import QueueFull, request_for
+from higgs_trt.runtime.sinks import wav_header
+from higgs_trt.runtime.wav import NON_FINITE, SAMPLE_RATE, pcm16
+
+from .engine_thread import EngineThread
+from .metrics import Metrics
+from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
+from .voices import Voice
+
+log = logging.getLogger("uvicorn.error")
+
+MAX_BODY_BYTES = 16 << 20  # a 30 s reference as base64 fits (48 kHz stereo float32: 15.4 MB)
+# Bodies up to this size are parsed on the event loop, larger ones (reference audio in base64) in a worker thread:
+# the hop to a worker and back costs each request of a wave two turns at the GIL, which dominated admission under load.
+INLINE_PARSE_BYTES = 64 << 10
+# Requests whose body passed INLINE_PARSE_BYTES (reference audio) being read, decoded and encoded at once; past this a
+# new one gets 429. The engine thread encodes them one at a time anyway, so more would only hold memory (~50 MB each).
+LARGE_BODIES_AT_ONCE = 8
+
+
+class Cut(Exception):
+    """The request stopped before its audio was complete (timeout, engine failure)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+class AudioQueue:
+    """The request's callbacks (called on the engine thread) → an asyncio.Queue the response body reads."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics):
+        self.loop, self.metrics = loop, metrics
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.stopped: str | None = None  # why the body stopped early: the outcome of a cancelled request
+        self.non_finite = False  # a chunk held NaN or infinite samples: the body is cut there, the request failed
+
+    def chunk(self, samples: np.ndarray) -> None:
+        if np.isfinite(samples).all():
+            self.metrics.audio.inc(len(samples) / SAMPLE_RATE)
+            self._put(samples)
+        elif not self.non_finite:  # checked here, on the engine thread: the body meets a Cut where the chunk was
+            self.non_finite = True
+            self._put(Cut(f"the engine decoded {NON_FINITE}", "engine_error"))
+
+    def done(self, request) -> None:
+        failed = request.error or self.non_finite
+        outcome = "failed" if failed else (self.stopped or "cancelled") if request.cancelled else "completed"
+        self.metrics.requests.labels(outcome).inc()
+        if request.admitted_at is not None:
+            self.metrics.queue_wait.observe(request.admitted_at - request.submitted_at)
+        if request.first_audio_at is not None:
+            self.metrics.ttfa.observe(request.first_audio_at - request.submitted_at)
+        self._put(None)
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+    async def chunks(self, request, deadline: float):
+        """The request's audio chunks as they come; Cut if it times out or fails."""
+        while True:
+            try:
+                item = await asyncio.wait_for(self.items.get(), max(deadline - self.loop.time(), 0))
+            except asyncio.TimeoutError:
+                self.stopped = "timeout"
+                raise Cut("the request timed out (the server's --timeout)", "timeout") from None
+            if item is None:
+                break
+            if isinstance(item, Cut):
+                raise item
+            yield item
+        if request.error:
+            raise Cut(request.error, "engine_error")
+
+
+class SpeechService:
+    def __init__(self, engine: EngineThread, tokenizer, voices: dict[str, Voice], ref_dir: Path | None,
+                 timeout: float, max_body: int = MAX_BODY_BYTES, model: str = MODEL_ID, fixed_length: bool = False):
+        self.engine, self.tokenizer, self.voices, self.ref_dir = engine, tokenizer, voices, ref_dir
+        self.fixed_length = fixed_length  # benchmarks: every request decodes exactly max_new_tokens rows
+        self.timeout, self.max_body, self.model = timeout, max_body, model
+        self.metrics = Metrics(engine)
+        self.created = int(time.time())
+        self.draining = False
+        self.admitting = 0  # requests between arrival and submission (reading, parsing, encoding reference audio)
+        self.large_bodies = 0
+
+    # ---- routes ----
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.failure:
+            return JSONResponse({"status": "failed", "error": self.engine.failure}, 503)
+        if self.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
+        if not self.engine.ready.is_set():
+            return JSONResponse({"status": "loading"}, 503)
+        return JSONResponse({"status": "ok", "backend": self.engine.engine.name, "slots": self.engine.engine.max_batch})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
+                                                         "owned_by": "higgs-trt"}]})
+
+    async def voice_names(self, request: Request) -> Response:
+        return JSONResponse({"voices": list(self.voices)})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def speech(self, request: Request) -> Response:
+        arrived, started = asyncio.get_running_loop().time(), time.perf_counter()
+        try:
+            job, stream, speech, input_tokens = await self._admit(request, arrived + self.timeout)
+        except ApiError as e:
+            self.metrics.errors.labels(e.code).inc()
+            return JSONResponse(e.body(), e.status, headers=e.headers)
+        except ClientDisconnect:  # it left while sending its request: nobody to answer
+            self.metrics.errors.labels("client_gone").inc()
+            return Response(status_code=400)
+        self.metrics.admission.observe(job.submitted_at - started)
+        deadline = arrived + self.timeout
+        stop = partial(self._stop, job, stream)
+        if speech.sse:
+            return AudioResponse(self._sse(stream, job, speech, deadline, input_tokens), stop,
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if speech.response_format in ENCODED:
+            return await self._whole_file(request, stream, job, speech, deadline)
+        raw = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Channels": "1", "X-Bit-Depth": "16"}
+        media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
+        return AudioResponse(self._audio(stream, job, speech, deadline), stop, media_type=media, headers=raw)
+
+    async def _admit(self, request: Request, deadline: float):
+        """Parse, check, build the prompt, submit: every refusal is an ApiError."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
+        if not self.engine.ready.is_set():
+            why = f"the engine failed: {self.engine.failure}" if self.engine.failure else "the engine is loading"
+            raise ApiError(503, why, None, "not_ready", "server_error", {"Retry-After": "5"})
+        if self.admitting >= self.engine.max_queue + self.engine.engine.max_batch:  # what the queue and slots take
+            raise busy(f"{self.admitting} requests are being received")
+        self.admitting += 1
+        large = False
+        try:
+            body, large = await self._body(request, deadline)
+            if len(body) <= INLINE_PARSE_BYTES:
+                speech = parse_speech(body, self.model, self.voices, self.ref_dir)
+            else:
+                speech = await run_in_threadpool(parse_speech, body, self.model, self.voices, self.ref_dir)
+            del body  # up to 16 MB, not needed while its reference audio is decoded and encoded
+            prompt = await self._prompt(speech)
+        finally:
+            self.admitting -= 1
+            self.large_bodies -= large
+        stream = AudioQueue(asyncio.get_running_loop(), self.metrics)
+        reference = ("voice" if speech.voice != "default" else "ref_audio" if speech.ref_audio is not None
+                     else "ref_codes" if speech.ref_codes is not None else None)
+        with field(reference or "input"):  # a prompt too long for the engine: its reference is named, if it has one
+            job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
+                              on_chunk=stream.chunk, on_done=stream.done)
+        job.fixed_rows = self.fixed_length
+        try:
+            self.engine.scheduler.submit(job)
+        except QueueFull as e:
+            raise busy(str(e)) from None
+        return job, stream, speech, len(prompt)
+
+    async def _body(self, request: Request, deadline: float) -> tuple[bytes, bool]:
+        """`_read_body`, refused when the body has not arrived by the request's deadline or the server starts
+        draining (a client that stalls mid-body must not hold its connection, nor a shutdown, past them)."""
+        reading = asyncio.ensure_future(self._read_body(request))
+        loop = asyncio.get_running_loop()
+        try:
+            while not reading.done():
+                wait = min(deadline - loop.time(), 1.0)  # a drain is noticed within a second
+                if self.draining:
+                    raise ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
+                if wait <= 0:
+                    raise ApiError(408, f"the request body did not arrive within {self.timeout:g} s (the server's "
+                                   "--timeout)", None, "request_timeout")
+                await asyncio.wait({reading}, timeout=wait)
+            return reading.result()
+        finally:
+            reading.cancel()  # a no-op once it is done
+
+    async def _read_body(self, request: Request) -> tuple[bytes, bool]:
+        """The whole body and whether it took one of the LARGE_BODIES_AT_ONCE places (the caller gives it back).
+        Refused past the size cap or the places, read to its end all the same, so the client gets the answer, not a
+        reset."""
+        parts, size, large, refused = [], 0, False, None
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > INLINE_PARSE_BYTES and not large and refused is None:
+                    if self.large_bodies < LARGE_BODIES_AT_ONCE:
+                        large = True
+                        self.large_bodies += 1
+                    else:
+                        refused = busy(f"{LARGE_BODIES_AT_ONCE} requests with reference audio are being received")
+                if size <= self.max_body and refused is None:
+                    parts.append(part)
+                else:
+                    parts.clear()
+            if size > self.max_body:
+                raise ApiError(413, f"the request body is {size} bytes; at most {self.max_body}", None,
+                               "request_too_large")
+            if refused is not None:
+                raise refused
+        except BaseException:
+            self.large_bodies -= large
+            raise
+        return b"".join(parts), large
+
+    async def _prompt(self, speech: Speech):
+        voice = self.voices[speech.voice]
+        codes, text = (voice.codes, voice.text) if speech.voice != "default" else (speech.ref_codes, speech.ref_text)
+        if speech.ref_audio is not None:
+            if self.engine.encoder is None:
+                raise ApiError(400, f"ref_audio cannot be encoded here: {self.engine.no_encoder}", "ref_audio",
+                               "unsupported_parameter")
+            if isinstance(speech.ref_audio, Path):  # errors name it below --ref-dir: the server's paths stay its own
+                name = speech.ref_audio.relative_to(self.ref_dir.resolve())
+                read = partial(load_reference_audio, what=f"ref_audio file://{name}")
+            else:
+                read = partial(reference_audio_from_bytes, what="ref_audio")
+            with field("ref_audio"):
+                audio = await run_in_threadpool(read, speech.ref_audio)
+                codes = await self.engine.call(encode_reference, audio, self.engine.encoder)
+        if speech.ref_text is not None:
+            with field("ref_text"):
+                self.tokenizer.encode(speech.ref_text, "ref_text")
+        with field("input"):
+            self.tokenizer.encode(speech.text, "input")  # its errors name the field; build_prompt's say "text"
+            return build_prompt(self.tokenizer, speech.text, codes, text)
+
+    # ---- response bodies (AudioResponse cancels the request when one stops early) ----
+
+    def _stop(self, job, stream: AudioQueue) -> None:
+        if not job.finished:
+            stream.stopped = stream.stopped or "cancelled"
+            self.engine.scheduler.cancel(job)
+
+    async def _audio(self, stream: AudioQueue, job, speech: Speech, deadline: float):
+        if speech.response_format == "wav":
+            yield wav_header(None)
+        async for samples in stream.chunks(job, deadline):
+            yield pcm16(samples)[0]
+
+    async def _whole_file(self, request: Request, stream: AudioQueue, job, speech: Speech, deadline: float):
+        """flac / mp3 / opus: nothing goes out before the file is complete, so a timeout or an engine failure is still
+        an error status; a client that leaves cancels its request, as a streamed body's does."""
+        async def collect() -> np.ndarray:
+            chunks = [samples async for samples in stream.chunks(job, deadline)]
+            return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+        async def disconnect() -> None:  # the body is read: the next message is the client leaving
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        decoding, leaving = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnect())
+        try:
+            await asyncio.wait({decoding, leaving}, return_when=asyncio.FIRST_COMPLETED)
+            if not decoding.done():
+                return Response(status_code=400)  # nobody to answer
+            audio = decoding.result()
+        except Cut as e:
+            error = ApiError(504 if e.code == "timeout" else 500, str(e), None, e.code, "server_error")
+            return JSONResponse(error.body(), error.status)
+        finally:
+            decoding.cancel()
+            leaving.cancel()
+            self._stop(job, stream)
+        data = await run_in_threadpool(encode_file, audio, speech.response_format)
+        return Response(data, media_type=ENCODED[speech.response_format][2])
+
+    async def _sse(self, stream: AudioQueue, job, speech: Speech, deadline: float, input_tokens: int):
+        def event(data: dict) -> bytes:
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        def delta(data: bytes) -> bytes:
+            return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
+        header = wav_header(None) if speech.response_format == "wav" else b""
+        try:
+            async for samples in stream.chunks(job, deadline):
+                yield delta(header + pcm16(samples)[0])
+                header = b""
+        except Cut as e:
+            yield event({"type": "speech.audio.error",
+                         "error": {"message": str(e), "type": "server_error", "param": None, "code": e.code}})
+            return
+        if header:  # no audio at all: a wav is still a wav
+            yield delta(header)
+        rows = len(job.utterance.rows)
+        yield event({"type": "speech.audio.done",
+                     "usage": {"input_tokens": input_tokens, "output_tokens": rows, "total_tokens": input_tokens + rows}})
+
+
+class AudioResponse(StreamingResponse):
+    """A streamed body that calls `stop` however it ends: complete, client gone (Starlette cancels the body the
+    moment the disconnect arrives), timed out, failed, server shutting down — even before its first byte."""
+
+    def __init__(self, body, stop, **kwargs):
+        super().__init__(body, **kwargs)
+        self.stop = stop
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except Cut as e:  # returning without the final chunk: uvicorn closes the connection, the body stays incomplete
+            log.warning("response cut: %s", e)
+        finally:
+            self.stop()
+
+
+def encode_file(audio: np.ndarray, fmt: str) -> bytes:
+    """A whole flac / mp3 / opus file of the 16-bit samples (the same samples wav and pcm carry). An utterance without
+    audio (ended at its first rows) is one silent sample: libsndfile writes no decodable empty flac, mp3 or opus."""
+    import soundfile
+
+    kind, subtype, _ = ENCODED[fmt]
+    audio = audio if len(audio) else np.zeros(1, np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, np.frombuffer(pcm16(audio)[0], "<i2"), SAMPLE_RATE, format=kind, subtype=subtype)
+    return out.getvalue()
+
+
+def create_app(service: SpeechService) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        try:
+            yield
+        finally:
+            service.engine.stop()
+
+    async def http_error(request: Request, e: HTTPException) -> Response:  # 404, 405 in OpenAI's shape
+        error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None,
+                         "not_found" if e.status_code == 404 else "invalid_request")
+        return JSONResponse(error.body(), e.status_code, headers=e.headers)
+
+    routes = [Route("/v1/audio/speech", service.speech, methods=["POST"]),
+              Route("/v1/models", service.models), Route("/v1/audio/voices", service.voice_names),
+              Route("/health", service.health), Route("/metrics", service.metrics_text)]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # its 307 is built from the client's Host header, and says http behind TLS
+    return app
+
+
+def busy(why: str) -> ApiError:
+    """429: no room for the request now (Retry-After: 1)."""
+    return ApiError(429, f"{why}; retry shortly", None, "queue_full", "rate_limit_error", {"Retry-After": "1"})
