@@ -7,13 +7,13 @@ pytest.importorskip("torch")
 
 def captured(pass_rows=2048, max_batch=64):
     """The most prompts a captured prefill graph holds per length bucket, as GpuEngine._capture_all captures them."""
-    from higgs_trt.runtime.gpu.engine import BUCKETS, PROMPT_BUCKETS
+    from higgs_trt.runtime.gpu.launches import BUCKETS, PROMPT_BUCKETS
 
     return {length: max(b for b in BUCKETS if b <= max_batch and b * length <= pass_rows) for length in PROMPT_BUCKETS}
 
 
 def test_a_wave_takes_the_captured_graphs_shapes_only():
-    from higgs_trt.runtime.gpu.engine import prefill_passes
+    from higgs_trt.runtime.gpu.launches import prefill_passes
 
     # 64 joins of 41 rows: 48-row graphs of at most 32 prompts (by rows alone a 2,048-row pass holds 49: eager)
     assert prefill_passes([41] * 64, 2048, captured()) == [32, 32]
@@ -29,7 +29,7 @@ def test_a_wave_takes_the_captured_graphs_shapes_only():
 def test_prompts_longer_than_every_bucket_go_by_rows():
     """An engine directory may allow prompts past the longest captured bucket (export --max-prompt 1000): those
     passes run eagerly, by rows, and a pass never fails for want of a bucket."""
-    from higgs_trt.runtime.gpu.engine import prefill_passes
+    from higgs_trt.runtime.gpu.launches import prefill_passes
 
     graphs = captured(pass_rows=4000)
     assert prefill_passes([700, 700, 700, 700, 700, 700], 4000, graphs) == [5, 1]
@@ -40,7 +40,7 @@ def test_prompts_longer_than_every_bucket_go_by_rows():
 
 
 def test_bucket_tables_hold_every_count_in_the_least_bucket():
-    from higgs_trt.runtime.gpu.engine import BUCKETS, CODEC_BUCKETS, bucket_table
+    from higgs_trt.runtime.gpu.launches import BUCKETS, CODEC_BUCKETS, bucket_table
 
     assert bucket_table(BUCKETS, 64) == ([1, 2, 4, 8, 16, 32, 64],
                                          [0, 1, 2, 4, 4] + [8] * 4 + [16] * 8 + [32] * 16 + [64] * 32)

@@ -4,7 +4,7 @@ warps and loads timed against each other (needs a GPU)."""
 import torch
 
 from higgs_trt.runtime.config import HiggsConfig
-from higgs_trt.runtime.gpu.engine import ATTENTION_BLOCK, ATTENTION_CHUNK, attention_tma
+from higgs_trt.runtime.gpu.launches import ATTENTION_BLOCK, ATTENTION_CHUNK, attention_tma
 
 from .kernels import copy_bandwidth, graph_ms
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from higgs_trt.runtime.config import HiggsConfig
-from higgs_trt.runtime.gpu.engine import Workspace
+from higgs_trt.runtime.gpu.launches import Workspace
 from higgs_trt.runtime.gpu.linear import Linear
 from higgs_trt.runtime.gpu.tiles import TileConfig, default_tiles, stage_bytes, tuned_tiles
 
