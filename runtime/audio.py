@@ -1,10 +1,10 @@
 """Reference audio for voice cloning: file → checked mono signal → 24 kHz + 16 kHz → codec encoder → codes [T, 8].
 
 Reading: `soundfile` (libsndfile: wav, flac, ogg/vorbis/opus, mp3, …); down-mix to mono by the channel mean.
-Resampling: `soxr` (libsoxr, "HQ"), straight from the file's rate to 24 kHz (acoustic branch) and to 16 kHz (HuBERT),
-the 16 kHz signal cut or zero-extended to ceil(2N/3) samples — the length transformers' encode gets from its own
-24 → 16 kHz resampling (torchaudio), so every (24 kHz, 16 kHz) pair is one the reference encoder could see. Resampling
-stays outside the encoder graph. Its error against the reference pipeline's resampler is in the README.
+Resampling: `soxr` (libsoxr, "HQ") from the file's rate to 24 kHz (the acoustic branch; a 24 kHz file passes
+unchanged); the 16 kHz signal (HuBERT) is derived from the 24 kHz one with the tokenizer's own filter, torchaudio's
+resample (runtime/resample.py), as transformers' encode does: equal 24 kHz signals give equal codes. Resampling stays
+outside the encoder graph. docs/reference-audio.md has the whole path and the resamplers' accuracy.
 
 The encoder graph has one path: when the acoustic branch would give a different frame count than the semantic one,
 transformers pads the 24 kHz signal by hop/2 = 480 samples each side; `acoustic_padding` decides that here from
@@ -27,6 +27,7 @@ import numpy as np
 
 from . import extras
 from .errors import HiggsError
+from .resample import resample
 
 SAMPLE_RATE = 24000  # the codec's rate (acoustic branch)
 SEMANTIC_RATE = 16000  # HuBERT's rate
@@ -91,9 +92,11 @@ def _reference(source, name) -> ReferenceAudio:
     mono = samples.mean(axis=1, dtype=np.float32)
     if np.abs(mono - mono.mean(dtype=np.float64)).max() < SILENCE:  # a constant (DC) offset is not sound
         raise HiggsError(f"{name}: is silent (peak below −60 dBFS once any DC offset is removed)")
-    audio_24k = soxr.resample(mono, rate, SAMPLE_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
-    audio_16k = soxr.resample(mono, rate, SEMANTIC_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
-    audio_16k = _fit(audio_16k, math.ceil(len(audio_24k) * SEMANTIC_RATE / SAMPLE_RATE))
+    if rate == SAMPLE_RATE:  # the codec's own rate: the samples are what the tokenizer would get
+        audio_24k = mono
+    else:
+        audio_24k = soxr.resample(mono, rate, SAMPLE_RATE, quality=RESAMPLE_QUALITY).astype(np.float32)
+    audio_16k = resample(audio_24k, SAMPLE_RATE, SEMANTIC_RATE)
     digest = hashlib.sha256(np.int64(rate).tobytes() + mono.tobytes()).hexdigest()
     return ReferenceAudio(audio_24k, audio_16k, digest, len(mono) / rate, rate)
 
@@ -113,10 +116,6 @@ def _check_shape(path, channels: int, frames: int, rate: int) -> None:
     if seconds > MAX_SECONDS:
         raise HiggsError(f"{path}: {math.ceil(seconds * 10) / 10:.1f} s of audio; a reference may be at most "
                          f"{MAX_SECONDS:g} s (trim it)")
-
-
-def _fit(x: np.ndarray, length: int) -> np.ndarray:
-    return x[:length] if len(x) >= length else np.pad(x, (0, length - len(x)))
 
 
 # ---- the encoder's input lengths -------------------------------------------------------------------------------
