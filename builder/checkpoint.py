@@ -202,7 +202,8 @@ class Checkpoint:
     def check_finite(self, names) -> None:
         """Refuse inf or NaN in these tensors, naming the first found. The file is memory-mapped and each tensor
         tested 16 MiB at a time on its bits (|x|'s bits ≥ the bits of inf); pages are released as soon as they are
-        tested, so resident memory stays flat (export's peak is unchanged). Costs one pass over the weights: README."""
+        tested, so resident memory stays flat (export's peak is unchanged). Costs one pass over the weights (`bench
+        checkpoint`)."""
         todo = sorted((n for n in names if n not in self._finite),
                       key=lambda n: (self._where[n], self._info[n]["data_offsets"][0]))
         scratch = np.empty(FINITE_CHUNK, np.uint8)

@@ -7,7 +7,7 @@ their ramp-up are not counted). Below either floor the build is refused, naming 
 to quantization on the same prompts (torch reference, fake-quantized, one GEMM at a time).
 
 Random weights are not real activations: the floors are parameters, defaults set from measurements on random
-checkpoints (README, "FP8").
+checkpoints (docs/fp8.md).
 """
 
 from dataclasses import asdict, dataclass
