@@ -83,39 +83,72 @@ def _zero_caches(engine: EngineDir) -> dict[str, np.ndarray]:
             for t in engine.graph("lm_ref")["inputs"] if t["name"].startswith("past_")}
 
 
-def check_cache_binding(engine, context, caches: list[str]) -> None:
-    """Every `present_*` the plan reports as an alias of its `past_*` (TensorRT's KV-cache layer) must be bound at
-    that input's address: "the user must ensure that the cache tensor and the corresponding output tensor share the
-    same device memory address" (NvInfer.h, addKVCacheUpdate). Outputs the plan does not report (plugin I/O) are
-    ordinary outputs with their own buffer, as in the runtime's ping-pong."""
+def check_cache_binding(context, caches: list[str]) -> None:
+    """Every `present_*` must be bound at its `past_*`'s address: the plan updates the caches in place (TensorRT's
+    KV-cache layer requires it, NvInfer.h addKVCacheUpdate; the plugin path writes only the new rows through
+    `present_*`: docs/tensorrt.md)."""
     for name in caches:
         present = name.replace("past_", "present_")
-        if engine.get_aliased_input_tensor(present) == name and \
-                context.get_tensor_address(present) != context.get_tensor_address(name):
-            raise HiggsError(f"the TensorRT runner bound {present} apart from {name}, which the plan aliases; "
+        if context.get_tensor_address(present) != context.get_tensor_address(name):
+            raise HiggsError(f"the TensorRT runner bound {present} apart from {name}, which the plan updates in place; "
                              "Polygraphy 0.53.4+ binds them together: pip install -U polygraphy")
 
 
+class CachesInPlace:
+    """A plan's ICudaEngine that reports every `present_*` as an alias of its `past_*`, as the KV-cache layer's
+    plans do, so that Polygraphy binds the plugin path's caches in place too (everything else is the engine's)."""
+
+    def __init__(self, lm_engine):
+        self.lm_engine = lm_engine
+
+    def __getattr__(self, name):
+        return getattr(self.lm_engine, name)
+
+    def get_aliased_input_tensor(self, name):
+        if name.startswith("present_"):
+            return name.replace("present_", "past_")
+        return self.lm_engine.get_aliased_input_tensor(name)
+
+
 def cache_bound_trt_runner():
-    """Polygraphy's TrtRunner, checking the KV-cache binding after every inference.
+    """Polygraphy's TrtRunner with the KV caches bound in place, checked after every inference.
 
     Polygraphy ≥ 0.53.4 (backend/trt/runner.py, `_infer_impl`) binds each output that the engine reports through
     get_aliased_input_tensor at its input's address and returns that buffer as the output; every other output gets
-    a buffer from its output allocator. So the plan's in-place caches are read and written at one address, and
-    `present_*` comes back holding the updated cache. This subclass only makes that checked, not assumed."""
+    a buffer from its output allocator. The engine here reports every cache pair, so `present_*` comes back holding
+    the updated cache."""
     from polygraphy.backend.trt import TrtRunner
 
     class CacheBoundTrtRunner(TrtRunner):
+        def activate_impl(self):
+            super().activate_impl()
+            self.engine = CachesInPlace(self.engine)
+
         def _infer_impl(self, feed_dict, copy_outputs_to_host, return_raw_buffers):
             out = super()._infer_impl(feed_dict, copy_outputs_to_host, return_raw_buffers)
-            check_cache_binding(self.engine, self.context, [n for n in feed_dict if n.startswith("past_")])
+            check_cache_binding(self.context, [n for n in feed_dict if n.startswith("past_")])
             return out
 
     return CacheBoundTrtRunner
 
 
+def _host_array(value) -> np.ndarray:
+    """An output as numpy: a torch tensor comes to the host, bf16 widened to fp32 (numpy has no bf16), every other
+    dtype kept (the int32 codes stay integers in outputs.json)."""
+    if hasattr(value, "cpu"):
+        import torch
+
+        value = value.cpu()
+        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    return np.asarray(value)
+
+
 class TrtPlanRunner(_runner_base()):
-    """lm.plan through Polygraphy's TrtRunner (prefill profile, which also takes S = 1), caches fed as bf16."""
+    """lm.plan through Polygraphy's TrtRunner (prefill profile, which also takes S = 1).
+
+    The feeds carry the reference's fp32 caches; the plan takes bf16 ones. So this runner's input metadata names
+    fp32 caches (what BaseRunner.infer checks the feeds against, and what numpy can hold), and infer_impl rounds
+    them to bf16 torch tensors for the inner runner, whose metadata is the plan's."""
 
     def __init__(self, plan: Path):
         super().__init__(name="trt")
@@ -128,17 +161,22 @@ class TrtPlanRunner(_runner_base()):
         self.inner.activate()
 
     def get_input_metadata_impl(self):
-        return self.inner.get_input_metadata()
+        from polygraphy.datatype import DataType
+
+        meta = self.inner.get_input_metadata(use_numpy_dtypes=False)
+        for name, tensor in meta.items():
+            if name.startswith("past_"):
+                tensor.dtype = DataType.FLOAT32
+        return meta
 
     def infer_impl(self, feed_dict):
         import torch
 
-        feeds = {k: torch.from_numpy(v).to(torch.bfloat16).cuda() if k.startswith("past_") else v
+        feeds = {k: torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16) if k.startswith("past_") else v
                  for k, v in feed_dict.items()}
         out = self.inner.infer(feeds)
         self.inference_time = self.inner.last_inference_time()
-        return {k: (v.float().cpu().numpy() if hasattr(v, "cpu") else np.asarray(v, np.float32) if k != "codes" else v)
-                for k, v in out.items()}
+        return {k: _host_array(v) for k, v in out.items()}
 
     def deactivate_impl(self):
         self.inner.deactivate()
@@ -148,10 +186,12 @@ def reference_feeds(engine: EngineDir, ckpt, prompts, steps: int) -> list[dict]:
     """Prefill + `steps` teacher-forced step feeds per prompt, each with the caches the reference had then."""
     max_seq = engine.manifest["limits"]["max_seq"]
     with _reference(engine, ckpt) as ref:
-        return [feed for prompt in prompts for feed in _teacher_forced(ref, prompt, steps, max_seq, _zero_caches(engine))]
+        return [feed for prompt in prompts for feed in teacher_forced(ref, prompt, steps, max_seq, _zero_caches(engine))]
 
 
-def _teacher_forced(ref, prompt, steps: int, max_seq: int, caches: dict) -> list[dict]:
+def teacher_forced(ref, prompt, steps: int, max_seq: int, caches: dict) -> list[dict]:
+    """The prefill of `prompt` and up to `steps` decode steps, each step fed the row `ref` (a feed → outputs
+    function) chose, each feed with the caches `ref` had then (starting from `caches`)."""
     from higgs_trt.runtime.decoding import delay_mask
 
     feed, feeds = {**prefill_feeds([prompt]), **caches}, []
@@ -190,8 +230,8 @@ class OutputStats:
     agreement: list | None = None  # per codebook, for logits
 
 
-def _stats(name: str, step: int, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float,
-           min_cosine: float) -> OutputStats:
+def output_stats(name: str, step: int, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float,
+                 min_cosine: float) -> OutputStats:
     ref, got = ref.astype(np.float64), got.astype(np.float64)
     diff = np.abs(ref - got)
     denom = np.sqrt((ref * ref).sum() * (got * got).sum())
@@ -261,7 +301,7 @@ def compare(engine_dir: Path, ckpt, runners: list[str], prompts, steps: int,
                 if output == "codes":
                     continue
                 rows.append({"pair": f"{other} vs {reference}", "tolerance": kind,
-                             **_stats(output, step, a[output], b[output], *TOLERANCES[kind]).__dict__})
+                             **output_stats(output, step, a[output], b[output], *TOLERANCES[kind]).__dict__})
     failed = [r for r in rows if not r["passed"]]
     report = {"engine": str(engine_dir), "precision": precision, "runners": names, "feeds": len(feeds),
               "tolerances": {k: dict(zip(("atol", "rtol", "min_cosine"), v)) for k, v in TOLERANCES.items()},

@@ -14,6 +14,7 @@ into it (ONNX external data), so the twin costs no second copy and export never 
 """
 
 import contextlib
+import dataclasses
 import io
 import logging
 import shutil
@@ -279,13 +280,14 @@ def export_engine(ckpt: Checkpoint, out: Path, max_seq: int | None = None, max_b
         graphs, weights_index = _export_graphs(ckpt, staging, max_seq, ops, say, scales)
         shutil.copy(tokenizer, staging / "tokenizer.json")
         files = [*(g["file"] for g in graphs.values()), WEIGHTS, "tokenizer.json"]
-        plugins = _plugin_kernels(ckpt, staging, say) if ops.name == "plugin" else None
+        plugins = plugin_kernels(ckpt, staging, say) if ops.name == "plugin" else None
         files += [p["file"] for p in (plugins or {}).values()]
         manifest = {
             "checkpoint": {"fingerprint": fingerprint, "source": str(checkpoint_dir.resolve())},
             "model": ckpt.config.to_dict(),
             "precision": precision,
             "ops": ops.name,
+            "attention": ops.attention,
             "limits": limits,
             "codec": {"strides": list(codec_dims.strides), "receptive_field": list(receptive_field(codec_dims.strides))},
             "graphs": graphs,
@@ -305,7 +307,7 @@ def export_engine(ckpt: Checkpoint, out: Path, max_seq: int | None = None, max_b
     return out
 
 
-def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
+def plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
     """PTX of the plugin kernels for this model's dimensions, written beside the graphs (TensorRT embeds it)."""
     from higgs_trt.runtime import extras
 
@@ -324,44 +326,58 @@ def _plugin_kernels(ckpt: Checkpoint, staging: Path, say) -> dict:
     return plugins
 
 
+LM_GRAPHS = (("lm", "lm.onnx", torch.bfloat16), ("lm_ref", "lm.ref.onnx", torch.float32))
+
+
+def _save(directory: Path, file: str, model: ir.Model, dtype: str, t0: float, say) -> dict:
+    ir.save(model, directory / file)
+    say(f"  {file}: {len(model.graph)} nodes ({time.perf_counter() - t0:.1f} s)")
+    return {"file": file, "dtype": dtype, **graph_io(model)}
+
+
+def export_lm_graphs(ckpt: Checkpoint, weights: WeightsFile, directory: Path, max_seq: int, ops=NativeOps,
+                     scales: dict | None = None, say=print, twin: bool = True) -> dict:
+    """The lm graphs into `directory`, their weights through `weights`: lm.onnx (bf16, for TensorRT) and, with
+    `twin`, lm.ref.onnx (fp32, for ONNX Runtime); with FP8 `scales` each again with FP8 GEMMs (lm.fp8.onnx,
+    lm.fp8.ref.onnx) and lm.fp8.onnx as ONNX Runtime runs it with the engine's bf16 roundings
+    (lm.fp8.bf16ref.onnx). Returns their manifest entries by graph key."""
+    graphs = {}
+    lm_names = list(lm_tensor_shapes(ckpt.config))
+    for key, file, dtype in LM_GRAPHS if twin else LM_GRAPHS[:1]:
+        t0 = time.perf_counter()
+        model = export_lm(HiggsLM.from_checkpoint(ckpt, max_seq, dtype, ops))
+        _check_weights_kept(model, lm_names)
+        weights.place(model, checkpoint_names=True)
+        name = str(dtype).removeprefix("torch.")
+        graphs[key] = _save(directory, file, model, name, t0, say)
+        if scales:  # the same graph, FP8 GEMMs (in place: this graph is saved already)
+            t0 = time.perf_counter()
+            weights.flush()
+            insert_qdq(model, scales["activation_amax"], weights)
+            graphs[key.replace("lm", "lm_fp8")] = _save(directory, file.replace("lm.", "lm.fp8."), model, name, t0, say)
+            if key == "lm":
+                t0 = time.perf_counter()
+                graphs["lm_fp8_bf16ref"] = _save(directory, "lm.fp8.bf16ref.onnx", bf16_rounding_twin(model),
+                                                 "float32", t0, say)
+    return graphs
+
+
 def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scales: dict | None) -> tuple[dict, dict]:
     """Every graph into `staging`; returns the graphs' manifest entries and the weights index (checkpoint name →
     offset, bytes, dtype, shape in weights.bin)."""
     weights = WeightsFile(staging / WEIGHTS, ckpt)
-    graphs = {}
-    lm_names = list(lm_tensor_shapes(ckpt.config))
-
-    def save(key: str, file: str, model: ir.Model, dtype: str, t0: float) -> None:
-        graphs[key] = {"file": file, "dtype": dtype, **graph_io(model)}
-        ir.save(model, staging / file)
-        say(f"  {file}: {len(model.graph)} nodes ({time.perf_counter() - t0:.1f} s)")
-
     try:
-        for key, file, dtype in (("lm", "lm.onnx", torch.bfloat16), ("lm_ref", "lm.ref.onnx", torch.float32)):
-            t0 = time.perf_counter()
-            model = export_lm(HiggsLM.from_checkpoint(ckpt, max_seq, dtype, ops))
-            _check_weights_kept(model, lm_names)
-            weights.place(model, checkpoint_names=True)
-            name = str(dtype).removeprefix("torch.")
-            save(key, file, model, name, t0)
-            if scales:  # the same graph, FP8 GEMMs (in place: this graph is saved already)
-                t0 = time.perf_counter()
-                weights.flush()
-                insert_qdq(model, scales["activation_amax"], weights)
-                save(key.replace("lm", "lm_fp8"), file.replace("lm.", "lm.fp8."), model, name, t0)
-                if key == "lm":  # and that graph as ONNX Runtime runs it with the engine's bf16 roundings
-                    t0 = time.perf_counter()
-                    save("lm_fp8_bf16ref", "lm.fp8.bf16ref.onnx", bf16_rounding_twin(model), "float32", t0)
+        graphs = export_lm_graphs(ckpt, weights, staging, max_seq, ops, scales, say)
         t0 = time.perf_counter()
         model = export_codec(CodecDecoder.from_checkpoint(ckpt))
         weights.place(model, checkpoint_names=False, index_prefix=CODEC_PREFIX)
-        save("codec", "codec.onnx", model, "float32", t0)
+        graphs["codec"] = _save(staging, "codec.onnx", model, "float32", t0, say)
         if has_encoder(ckpt):
             t0 = time.perf_counter()
             encoder = CodecEncoder.from_checkpoint(ckpt)
             model = export_codec_encoder(encoder)
             weights.place(model, checkpoint_names=False, index_prefix=CODEC_PREFIX)
-            save("codec_encoder", "codec_encoder.onnx", model, "float32", t0)
+            graphs["codec_encoder"] = _save(staging, "codec_encoder.onnx", model, "float32", t0, say)
             graphs["codec_encoder"]["geometry"] = encoder.dims.geometry()
         else:
             say("  no codec encoder tensors in the checkpoint: no codec_encoder.onnx (voice cloning from codes only)")
@@ -370,3 +386,18 @@ def _export_graphs(ckpt: Checkpoint, staging: Path, max_seq: int, ops, say, scal
     for g in graphs.values():
         onnx.checker.check_model(str(staging / g["file"]), full_check=True)
     return graphs, weights.index
+
+
+class FirstLayers:
+    """A checkpoint seen with only its first `layers` decoder layers: a model that builds in seconds with the
+    checkpoint's own dimensions and weights (doctor --build-check)."""
+
+    def __init__(self, ckpt: Checkpoint, layers: int):
+        self._ckpt = ckpt
+        self.config = dataclasses.replace(ckpt.config, num_layers=min(layers, ckpt.config.num_layers))
+
+    def __getattr__(self, name):
+        return getattr(self._ckpt, name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ckpt

@@ -3,7 +3,8 @@
 In eager torch each function computes the reference semantics; under `torch.onnx.export(dynamo=True)` they
 become the ONNX ops TensorRT maps to native layers:
 
-- RoPE + KV-cache write + attention → `RotaryEmbedding`-23, `TensorScatter`-24, `Attention`-23;
+- RoPE + KV-cache write + attention → `RotaryEmbedding`-23, `TensorScatter`-24, and `Attention`-23 (TensorRT's
+  attention layer) or, with `--attention matmul`, MatMul + Softmax (`MatmulAttentionOps`, which every TensorRT builds);
 - delayed-codebook step → `ArgMax` + `Less`/`Where` (ramp-up BOC, ramp-down EOC).
 """
 
@@ -38,13 +39,14 @@ ONNX_TRANSLATIONS = {torch.ops.higgs.cache_write.default: cache_write_onnx}
 
 
 class NativeOps:
-    """Standard-ONNX form of the two fused steps (the `--ops native` path)."""
+    """Standard-ONNX form of the two fused steps (the `--ops native` path), attention as ONNX `Attention`."""
 
     name = "native"
+    attention = "fused"
     translations = ONNX_TRANSLATIONS
 
-    @staticmethod
-    def rope_cache_attention(q, k, v, cos, sin, positions, write_pos, k_cache, v_cache, mask):
+    @classmethod
+    def rope_cache_attention(cls, q, k, v, cos, sin, positions, write_pos, k_cache, v_cache, mask):
         """q [B,Hq,S,D], k/v [B,Hkv,S,D] → attention output [B,Hq,S,D] and the updated caches.
 
         q is scaled by 1/sqrt(D) before attention because TensorRT's attention layer has no scale of its own.
@@ -53,8 +55,12 @@ class NativeOps:
         k = onnx_ops.rotary_embedding(k, cos, sin, positions)
         k_cache = torch.ops.higgs.cache_write(k_cache, k, write_pos)
         v_cache = torch.ops.higgs.cache_write(v_cache, v, write_pos)
-        out = onnx_ops.attention(q * q.shape[-1] ** -0.5, k_cache, v_cache, mask, scale=1.0)[0]
-        return out, k_cache, v_cache
+        return cls.attend(q * q.shape[-1] ** -0.5, k_cache, v_cache, mask), k_cache, v_cache
+
+    @staticmethod
+    def attend(q, k_cache, v_cache, mask):
+        """q [B,Hq,S,D] (scaled) over the caches [B,Hkv,S_max,D] where mask [B,1,S,S_max] allows → [B,Hq,S,D]."""
+        return onnx_ops.attention(q, k_cache, v_cache, mask, scale=1.0)[0]
 
     @staticmethod
     def codebook_step(logits, row_index, end_frame, table=None):
@@ -65,3 +71,22 @@ class NativeOps:
         codes = torch.where(row < codebook, BOC, codes)
         codes = torch.where(row - codebook >= end_frame[:, None], EOC, codes)
         return codes.to(torch.int32)
+
+
+class MatmulAttentionOps(NativeOps):
+    """The native path with attention as MatMul + Softmax (`--attention matmul`): layers every TensorRT version
+    builds, where the attention layer needs a fused kernel for the GPU and profile (or its decomposed fallback)."""
+
+    attention = "matmul"
+
+    @staticmethod
+    def attend(q, k_cache, v_cache, mask):
+        """Grouped-query attention without repeating the caches: query heads [B, Hkv, G, S, D] against each KV head
+        [B, Hkv, 1, S_max, D]; scores and softmax in fp32, as the attention layer accumulates."""
+        b, hq, s, d = q.shape
+        hkv = k_cache.shape[1]
+        q = q.reshape(b, hkv, hq // hkv, s, d)
+        scores = torch.matmul(q, k_cache.unsqueeze(2).transpose(-1, -2)).float()
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(weights, v_cache.unsqueeze(2)).reshape(b, hq, s, d)

@@ -76,6 +76,7 @@ class PluginOps:
     """The `--ops plugin` path: same interface as builder.ops.NativeOps."""
 
     name = "plugin"
+    attention = "plugin"  # higgs::decode_attention: no choice of attention layers to make
     translations = {**NativeOps.translations,
                     torch.ops.higgs.rope_kv_write.default: _rope_kv_write_onnx,
                     torch.ops.higgs.decode_attention.default: _decode_attention_onnx,
@@ -84,7 +85,7 @@ class PluginOps:
     @staticmethod
     def rope_cache_attention(q, k, v, cos, sin, positions, write_pos, k_cache, v_cache, mask):
         # decode_attention reads each row's valid prefix only; the graph's Attention would read all S_max rows
-        # (at B=64, S_max=2048 that is 19 GB per step, 2.6x the weights: README, "Plugins")
+        # (docs/tensorrt.md, "KV-cache bytes per step")
         q, k_cache, v_cache = torch.ops.higgs.rope_kv_write(q, k, v, cos, sin, write_pos, k_cache, v_cache)
         out = torch.ops.higgs.decode_attention(q * q.shape[-1] ** -0.5, k_cache, v_cache, write_pos)
         return out, k_cache, v_cache

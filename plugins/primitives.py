@@ -1,6 +1,6 @@
 """Building blocks the Triton kernels share: the tensor-core product, programmatic dependent launch, FP8 rounding,
 L2 prefetch. Argument order of every plugin entry is TensorRT's for AOT plugins: tensor inputs, then int32 scalars,
-then tensor outputs (an aliased output is a separate argument pointing at its input)."""
+then tensor outputs (rope_kv_write's cache outputs are bound at their inputs' addresses: docs/tensorrt.md)."""
 
 import os
 

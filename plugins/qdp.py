@@ -2,8 +2,11 @@
 
 The engine directory carries each kernel's PTX (compiled at export, plugins/aot.py); `aot_impl` hands it to
 TensorRT, which embeds it in the plan, so a plan loads and runs with no Python plugin code. Step-varying values
-(positions, row index, end frame) are device tensors; the only scalars are shape expressions (SymInt32). The
-caches are aliased outputs, updated in place (needs PreviewFeature.ALIASED_PLUGIN_IO_10_03 at build time).
+(positions, row index, end frame) are device tensors; the only scalars are shape expressions (SymInt32).
+rope_kv_write's cache outputs declare no alias: for an aliased plugin output TensorRT "may insert copies"
+(NvInferRuntime.h, IPluginV3OneBuildV2::getAliasedInput), a whole cache per layer and step. Its kernel writes only
+the new rows through them, so the runtime binds each `present_*` at its `past_*`'s address and the cache is
+updated in place (docs/tensorrt.md).
 
 What runs here: tests/test_qdp.py feeds these definitions to NVIDIA's own `tensorrt.plugin` Python code (from the
 `tensorrt-cu13-bindings` wheels) over a stand-in for its native module, and walks the calls TensorRT's builder
@@ -54,7 +57,7 @@ def _define(trt, trtp) -> None:
     def rope_kv_write(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, cos: trtp.TensorDesc,
                       sin: trtp.TensorDesc, write_pos: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                       v_cache: trtp.TensorDesc) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
-        return q.like(), k_cache.aliased(), v_cache.aliased()
+        return q.like(), k_cache.like(), v_cache.like()
 
     @trtp.aot_impl("higgs::rope_kv_write")
     def rope_kv_write_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, cos: trtp.TensorDesc,

@@ -1,9 +1,9 @@
 """Build-side twins of the plugins for TensorRT-RTX, so CI can build the plugin-path graphs without a GPU.
 
 NVIDIA's QDP module (plugins/qdp.py, the real plugins with their AOT PTX) cannot drive TensorRT-RTX: it needs
-`trt.ISymExpr`, which RTX lacks. These Python IPluginV3 classes declare the same names, namespace, I/O types,
-shapes and aliasing, which is all the ONNX parser and the builder ask of a plugin; they have no kernel
-(`enqueue` refuses), so an RTX plan built with them proves parsing and building, and must not be run.
+`trt.ISymExpr`, which RTX lacks. These Python IPluginV3 classes declare the same names, namespace, I/O types and
+shapes (and, like them, no aliased outputs), which is all the ONNX parser and the builder ask of a plugin; they have
+no kernel (`enqueue` refuses), so an RTX plan built with them proves parsing and building, and must not be run.
 
 TensorRT-RTX 1.7's parser dlopen()s "libtensorrt_rtx.so" (no version suffix) when it meets a plugin node, but
 the wheel ships only libtensorrt_rtx.so.1; without an unversioned link the process aborts. `check_loader`
@@ -21,12 +21,12 @@ from higgs_trt.runtime.errors import HiggsError
 from .schemas import DOMAIN
 
 BF16, I64, F32, I32 = "BF16", "INT64", "FLOAT", "INT32"
-SPECS = {  # inputs' types, outputs' types, output → (input its dims come from) or dims picked from inputs, aliases
+SPECS = {  # inputs' types, outputs' types, output → (input its dims come from) or dims picked from inputs
     "rope_kv_write": {"inputs": [BF16, BF16, BF16, BF16, BF16, I64, BF16, BF16], "outputs": [BF16, BF16, BF16],
-                      "dims": [[(0, None)], [(6, None)], [(7, None)]], "aliases": {1: 6, 2: 7}},
+                      "dims": [[(0, None)], [(6, None)], [(7, None)]]},
     "delayed_codebook_step": {"inputs": [F32, I64, I64, BF16], "outputs": [I32, BF16],
-                              "dims": [[(0, 0), (0, 1)], [(0, 0), (3, 1)]], "aliases": {}},
-    "decode_attention": {"inputs": [BF16, BF16, BF16, I64], "outputs": [BF16], "dims": [[(0, None)]], "aliases": {}},
+                              "dims": [[(0, 0), (0, 1)], [(0, 0), (3, 1)]]},
+    "decode_attention": {"inputs": [BF16, BF16, BF16, I64], "outputs": [BF16], "dims": [[(0, None)]]},
 }
 
 
@@ -57,11 +57,11 @@ def register(trt) -> list:
 
 
 def _plugin_class(trt):
-    class BuildOnlyPlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2, trt.IPluginV3OneRuntime):
+    class BuildOnlyPlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
         def __init__(self, name: str, aot: int = 1):
             trt.IPluginV3.__init__(self)
             trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuildV2.__init__(self)
+            trt.IPluginV3OneBuild.__init__(self)
             trt.IPluginV3OneRuntime.__init__(self)
             self.plugin_name, self.plugin_namespace, self.plugin_version = name, DOMAIN, "1"
             self.spec = SPECS[name]
@@ -102,9 +102,6 @@ def _plugin_class(trt):
 
         def get_valid_tactics(self):
             return []
-
-        def get_aliased_input(self, output_index):
-            return self.spec["aliases"].get(output_index, -1)
 
         def on_shape_change(self, inputs, outputs):
             pass

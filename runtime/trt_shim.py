@@ -66,18 +66,22 @@ def set_target(trt, config, target: str) -> None:
     config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0)
 
 
-def make_logger(trt, verbose: bool = False):
-    """An ILogger that keeps errors (to report them) and prints warnings only when asked."""
+def make_logger(trt, verbose: bool = False, keep=None):
+    """An ILogger that keeps errors (to report them, each on one line) and prints warnings only when asked. `keep`
+    picks further messages, of any severity, to keep in `kept` (the builder's layer information)."""
 
     class Logger(trt.ILogger):
         def __init__(self):
             trt.ILogger.__init__(self)
             self.errors: list[str] = []
+            self.kept: list[str] = []
 
         def log(self, severity, msg):
             if severity <= trt.ILogger.Severity.ERROR:
-                self.errors.append(msg)
+                self.errors.append(" ".join(str(msg).split()))
             elif verbose and severity <= trt.ILogger.Severity.WARNING:
                 print(f"[TensorRT] {msg}")
+            if keep is not None and keep(msg):
+                self.kept.append(msg)
 
     return Logger()

@@ -66,6 +66,54 @@ def tiny_plugin_engine(tiny_ckpt, tmp_path_factory) -> Path:
                          max_prompt=96, ops=PluginOps, say=lambda msg: None)
 
 
+LM_VARIANTS = [(ops, attention, precision) for ops, attention in (("native", "fused"), ("native", "matmul"),
+                                                                  ("plugin", "fused"))
+               for precision in ("bf16", "fp8")]  # what export can produce for TensorRT: op path × attention × precision
+
+
+def _lm_graphs(ckpt_dir: Path, calibration: Path, directory: Path, ops, twin: bool) -> dict:
+    """The lm graphs alone (bf16 and FP8, with `twin` their fp32 twins), tiny_engine's cache length."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.export import WeightsFile, export_lm_graphs
+    from higgs_trt.calibration.calibrate import load_calibration
+
+    ckpt = Checkpoint(ckpt_dir)
+    weights = WeightsFile(directory / "weights.bin", ckpt)
+    try:
+        graphs = export_lm_graphs(ckpt, weights, directory, 160, ops, load_calibration(calibration, ckpt.fingerprint()),
+                                  say=lambda msg: None, twin=twin)
+    finally:
+        weights.close()
+    return {key: {"file": directory / g["file"], "io": g} for key, g in graphs.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_matmul_lm(tiny_ckpt, tiny_calibration, tmp_path_factory) -> dict:
+    """The native path's lm graphs with --attention matmul (bf16, FP8 and their fp32 twins), by graph key. Read-only."""
+    from higgs_trt.builder.ops import MatmulAttentionOps
+
+    return _lm_graphs(tiny_ckpt, tiny_calibration, tmp_path_factory.mktemp("lm-matmul"), MatmulAttentionOps, True)
+
+
+@pytest.fixture(scope="session")
+def lm_variants(tiny_engine, tiny_fp8_engine, tiny_plugin_engine, tiny_matmul_lm, tiny_ckpt, tiny_calibration,
+                tmp_path_factory) -> dict:
+    """Every lm graph export can produce for TensorRT (LM_VARIANTS), each exported once for the session: the
+    engines above hold most; the plugin path's FP8 graph is exported here alone. Maps a variant to
+    {"file": the graph, "io": its manifest entry}. Read-only."""
+    from higgs_trt.builder.plugin_ops import PluginOps
+    from higgs_trt.runtime.manifest import EngineDir
+
+    def entry(engine: Path, key: str) -> dict:
+        graph = EngineDir(engine).graph(key)
+        return {"file": engine / graph["file"], "io": graph}
+
+    plugin = _lm_graphs(tiny_ckpt, tiny_calibration, tmp_path_factory.mktemp("lm-plugin"), PluginOps, False)
+    return {("native", "fused", "bf16"): entry(tiny_engine, "lm"), ("native", "fused", "fp8"): entry(tiny_fp8_engine, "lm_fp8"),
+            ("native", "matmul", "bf16"): tiny_matmul_lm["lm"], ("native", "matmul", "fp8"): tiny_matmul_lm["lm_fp8"],
+            ("plugin", "fused", "bf16"): entry(tiny_plugin_engine, "lm"), ("plugin", "fused", "fp8"): plugin["lm_fp8"]}
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run on a machine with an NVIDIA GPU and torch built with CUDA; elsewhere they are skipped."""
     try:

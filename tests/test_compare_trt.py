@@ -1,4 +1,5 @@
-"""compare's TensorRT runner binds the plan's in-place KV caches at one address, without TensorRT or a GPU.
+"""compare's TensorRT runner, without TensorRT or a GPU: it binds the plan's KV caches in place at one address, and
+it passes through Polygraphy's Comparator with the plan's bf16 caches.
 
 Polygraphy's own TrtRunner code (`_infer_impl`, the version installed) runs against a thin fake engine and
 execution context that record addresses: the one place a fake is right, since what is checked is the binding a
@@ -29,6 +30,7 @@ import tensorrt_rtx_bindings as trt
 sys.modules["tensorrt_rtx"] = trt
 from collections import OrderedDict
 from polygraphy import cuda
+from polygraphy.backend.trt import TrtRunner
 from polygraphy.backend.trt.runner import _make_output_allocator
 from polygraphy.datatype import DataType
 from higgs_trt.builder.compare import cache_bound_trt_runner
@@ -73,13 +75,19 @@ def device(ptr, shape, dtype):  # a Polygraphy device array over a fake address:
     return a
 
 
+def activate(self):  # what TrtRunner.activate_impl sets up, over the stand-in engine
+    self.engine, self.context, self.stream = Engine(self.aliased), Context(), Stream()
+    self.device_input_buffers, self.host_output_buffers = OrderedDict(), OrderedDict()
+    self.input_tensor_addresses, self._active_debug_listener = OrderedDict(), None
+    self.output_allocator = _make_output_allocator()
+
+
+TrtRunner.activate_impl = activate
 results = {}
 for aliased in (True, False):
     runner = cache_bound_trt_runner()(None)
-    runner.engine, runner.context, runner.stream = Engine(aliased), Context(), Stream()  # what activate() sets up
-    runner.device_input_buffers, runner.host_output_buffers = OrderedDict(), OrderedDict()
-    runner.input_tensor_addresses, runner._active_debug_listener = OrderedDict(), None
-    runner.output_allocator = _make_output_allocator()
+    runner.aliased = aliased
+    runner.activate_impl()
     for i, name in enumerate(["logits", "present_key_0", "present_value_0"]):  # as if TensorRT had asked for them
         runner.output_allocator.buffers[name] = device(0x9000000 + i * 0x100000, (4096,), DataType.UINT8)
         runner.output_allocator.shapes[name] = (1, 2, 16, 8) if name != "logits" else (1, 8)
@@ -101,8 +109,11 @@ def bindings():
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_a_plan_that_aliases_its_caches_gets_one_address_per_cache(bindings):
-    b = bindings["True"]
+@pytest.mark.parametrize("aliased", ["True", "False"], ids=["native plan", "plugin plan"])
+def test_every_plan_gets_one_address_per_cache(bindings, aliased):
+    """A native plan reports its caches as aliased (TensorRT's KV-cache layer); a plugin plan reports none, and its
+    rope_kv_write writes only the new rows through present_*: both are bound in place."""
+    b = bindings[aliased]
     assert b["runs"] == 2
     for cache in ("key_0", "value_0"):
         assert b["addresses"][f"present_{cache}"] == b["addresses"][f"past_{cache}"]  # read and written in place
@@ -110,26 +121,80 @@ def test_a_plan_that_aliases_its_caches_gets_one_address_per_cache(bindings):
     assert b["allocators"] == ["logits", "logits"]  # only the plain output gets its own buffer
 
 
-def test_a_plan_that_does_not_alias_them_writes_present_apart(bindings):
-    b = bindings["False"]  # a plugin plan: TensorRT reports no alias, the output is an ordinary one
-    assert set(b["allocators"]) == {"logits", "present_key_0", "present_value_0"}
-    assert "present_key_0" not in b["addresses"] and b["out"]["present_key_0"] != b["addresses"]["past_key_0"]
-
-
 class Recorded:
-    def __init__(self, addresses, aliases):
-        self.addresses, self.aliases = addresses, aliases
+    def __init__(self, addresses):
+        self.addresses = addresses
 
     def get_tensor_address(self, name):
         return self.addresses[name]
 
-    def get_aliased_input_tensor(self, name):
-        return self.aliases.get(name)
 
+def test_a_runner_that_binds_a_cache_apart_is_refused():
+    with pytest.raises(HiggsError, match="bound present_key_0 apart from past_key_0, which the plan updates in place"):
+        check_cache_binding(Recorded({"past_key_0": 0x5000, "present_key_0": 0x7000}), ["past_key_0"])
+    check_cache_binding(Recorded({"past_key_0": 0x5000, "present_key_0": 0x5000}), ["past_key_0"])
 
-def test_a_runner_that_binds_an_aliased_cache_apart_is_refused():
-    both = Recorded({"past_key_0": 0x5000, "present_key_0": 0x7000}, {"present_key_0": "past_key_0"})
-    with pytest.raises(HiggsError, match="bound present_key_0 apart from past_key_0, which the plan aliases"):
-        check_cache_binding(both, both, ["past_key_0"])
-    plugin = Recorded({"past_key_0": 0x5000, "present_key_0": 0x7000}, {})
-    check_cache_binding(plugin, plugin, ["past_key_0"])  # not aliased: apart is right
+def test_the_plan_runner_passes_polygraphys_comparator_with_bf16_caches(tiny_engine, monkeypatch, tmp_path):
+    """compare --runners ort,trt as Polygraphy runs it: Comparator.run and BaseRunner.infer drive TrtPlanRunner, whose
+    inner runner stands in for TrtRunner: the plan's input metadata (bf16 caches, read off the engine as TrtRunner
+    does) and, for torch feeds, torch outputs on the host; ONNX Runtime on the fp32 twin computes them. The saved
+    outputs keep the plan's codes int32."""
+    import numpy as np
+    import onnxruntime
+    import torch
+    from polygraphy.backend.base import BaseRunner
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.common import TensorMetadata
+    from polygraphy.comparator import Comparator, RunResults
+    from polygraphy.datatype import DataType
+
+    from higgs_trt.builder import compare
+    from higgs_trt.runtime.manifest import EngineDir
+    from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+
+    onnxruntime.set_default_logger_severity(3)  # TensorScatter warns on every call that it copies the cache
+    engine = EngineDir(tiny_engine)
+    io, twin = engine.graph("lm_ref"), str(engine.file("lm_ref"))
+    caches = [t["name"] for t in io["inputs"] if t["name"].startswith("past_")]
+
+    class StandInTrtRunner(BaseRunner):
+        def __init__(self, engine_loader, optimization_profile):
+            super().__init__(name="inner")
+
+        def activate_impl(self):
+            self.session = onnxruntime.InferenceSession(twin, providers=["CPUExecutionProvider"])
+
+        def get_input_metadata_impl(self):
+            meta = TensorMetadata()
+            for t in io["inputs"]:
+                dtype = DataType.BFLOAT16 if t["name"] in caches else DataType.from_dtype(np.dtype(t["dtype"]))
+                meta.add(t["name"], dtype, [d if isinstance(d, int) else -1 for d in t["shape"]])
+            return meta
+
+        def infer_impl(self, feed_dict):
+            assert all(feed_dict[n].dtype == torch.bfloat16 for n in caches)  # what the plan's bindings take
+            feeds = {k: v.float().numpy() if torch.is_tensor(v) else v for k, v in feed_dict.items()}
+            names = [o.name for o in self.session.get_outputs()]
+            out = dict(zip(names, self.session.run(None, feeds)))
+            self.inference_time = 0.0
+            return {k: torch.from_numpy(v).to(torch.bfloat16 if k.startswith("present_") else torch.from_numpy(v).dtype)
+                    for k, v in out.items()}
+
+        def deactivate_impl(self):
+            del self.session
+
+    monkeypatch.setattr(compare, "cache_bound_trt_runner", lambda: StandInTrtRunner)
+    plan = tmp_path / "lm.plan"
+    plan.write_bytes(b"a plan")
+    prompt = build_prompt(HiggsTokenizer(tiny_engine / "tokenizer.json"), "Hello world.")
+    feeds = compare.reference_feeds(engine, None, [prompt], 2)
+    runners = [OnnxrtRunner(SessionFromOnnx(twin, providers=["cpu"]), name="ort"), compare.TrtPlanRunner(plan)]
+    results = Comparator.run(runners, data_loader=feeds)
+    results.save(str(tmp_path / "outputs.json"))
+    saved = RunResults.load(str(tmp_path / "outputs.json"))
+    assert len(saved["trt"]) == len(feeds) == 3
+    for ort_out, trt_out in zip(saved["ort"], saved["trt"]):
+        assert trt_out["codes"].dtype == np.int32 and np.array_equal(trt_out["codes"], ort_out["codes"])
+        assert trt_out["logits"].dtype == trt_out["present_key_0"].dtype == np.float32
+        rounded = torch.from_numpy(ort_out["present_key_0"]).bfloat16().float().numpy()
+        assert np.array_equal(trt_out["present_key_0"], rounded)  # the plan's bf16 caches, widened for comparison

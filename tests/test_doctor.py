@@ -47,3 +47,36 @@ def test_plugin_ptx_constant_matches_what_export_compiles():
     from higgs_trt.plugins.aot import PTX_VERSION, TARGET
 
     assert doctor.PLUGIN_PTX == (f"sm_{TARGET[1]}", f"{PTX_VERSION // 10}.{PTX_VERSION % 10}")
+
+
+def test_the_build_check_without_tensorrt_or_a_checkpoint_is_one_error_line(tiny_ckpt):
+    refusals = {"Error: TensorRT (tensorrt) is not usable here": ["--checkpoint", str(tiny_ckpt)],
+                "Error: --build-check needs --checkpoint": []}
+    for message, args in refusals.items():
+        r = CliRunner().invoke(main, ["doctor", "--build-check", *args])
+        assert r.exit_code == 1 and r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr
+        assert "Traceback" not in r.output
+    for args in (["--target", "sm89"], ["--max-seq", "512"]):
+        r = CliRunner().invoke(main, ["doctor", *args])
+        assert r.exit_code == 1 and r.stderr == "Error: --checkpoint, --target and the limits apply to --build-check\n"
+
+
+def test_the_build_check_builds_every_lm_variant_with_tensorrt_rtx(tiny_ckpt):
+    """What runs here of the check: the export of one decoder layer and TensorRT-RTX's parser and builder for each
+    variant; running the plans against ONNX Runtime needs datacenter TensorRT and a GPU."""
+    import os
+
+    import pytest
+
+    if os.environ.get("HIGGS_REQUIRE_RTX") != "1":
+        pytest.importorskip("tensorrt_rtx_bindings")
+    r = CliRunner().invoke(main, ["doctor", "--build-check", "--checkpoint", str(tiny_ckpt), "--target", "sm89",
+                                  "--max-seq", "160", "--max-batch", "2", "--max-prompt", "64"])
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith(f"build check: one decoder layer of {tiny_ckpt}")
+    variants = [line.split(":")[0].strip() for line in lines[1:]]
+    assert variants == ["native fused bf16", "native fused fp8", "native matmul bf16", "native matmul fp8",
+                        "plugin bf16", "plugin fp8"]
+    assert all("for sm89 (TensorRT-RTX plans do not run here)" in line for line in lines[1:])
+    assert all(("the text table stays FP8" in line) == line.split(":")[0].endswith("fp8") for line in lines[1:])

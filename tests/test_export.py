@@ -161,3 +161,28 @@ def test_export_replaces_atomically_and_leaves_nothing_on_failure(tiny_ckpt, tmp
     with pytest.raises(HiggsError, match="tokenizer.json not found"):
         export_engine(Checkpoint(bad), out, max_seq=64, max_prompt=32, say=lambda m: None)
     assert not out.exists() and not list(tmp_path.glob(".e.*"))
+
+
+def test_the_matmul_attention_graph_computes_what_the_attention_op_does(tiny_matmul_lm, tiny_engine, tok):
+    """--attention matmul: MatMul + Softmax in place of ONNX Attention, the same numbers (fp32 twins, ONNX Runtime),
+    step after teacher-forced step."""
+    import onnxruntime
+
+    from higgs_trt.builder.compare import teacher_forced
+
+    ops = Counter(n.op_type for n in onnx.load(tiny_matmul_lm["lm"]["file"], load_external_data=False).graph.node)
+    assert not ops["Attention"] and ops["Softmax"] == 2 and ops["MatMul"] == 2 * 2 and ops["TensorScatter"] == 2 * 2
+    onnxruntime.set_default_logger_severity(3)  # TensorScatter warns on every call that it copies the cache
+    fused, matmul = (onnxruntime.InferenceSession(str(f), providers=["CPUExecutionProvider"])
+                     for f in (tiny_engine / "lm.ref.onnx", tiny_matmul_lm["lm_ref"]["file"]))
+    names = [o.name for o in fused.get_outputs()]
+
+    def run(session, feed):
+        return dict(zip(names, session.run(None, feed)))
+
+    caches = {t.name: np.zeros((1, *t.shape[1:]), np.float32) for t in fused.get_inputs() if t.name.startswith("past_")}
+    feeds = teacher_forced(lambda f: run(fused, f), build_prompt(tok, PROMPTS[1]), 8, 160, caches)
+    for feed in feeds:
+        want, got = run(fused, feed), run(matmul, feed)
+        assert np.array_equal(want["codes"], got["codes"])
+        assert max(float(np.abs(want[n] - got[n]).max()) for n in names if n != "codes") < 1e-4

@@ -114,8 +114,9 @@ def test_qdp_plugins_as_tensorrt_builds_them(tensorrt_plugin, tiny_plugin_engine
     out_types = [getattr(trt.DataType, t) for t in SPECS[op]["outputs"]]
     in_dims, out_dims = io_of(op)
     assert plugin.get_output_data_types(in_types, [len(d) for d in in_dims]) == out_types
-    assert [plugin.get_aliased_input(i) for i in range(len(out_types))] == \
-        [SPECS[op]["aliases"].get(i, -1) for i in range(len(out_types))]
+    # no output aliases an input: for an aliased plugin output TensorRT may copy the input (a whole KV cache per
+    # layer and step); rope_kv_write's caches are bound in place by the runtime instead (docs/tensorrt.md)
+    assert [plugin.get_aliased_input(i) for i in range(len(out_types))] == [-1] * len(out_types)
 
     builder = trt.IExprBuilder()
     inputs = [exprs(trt, d) for d in in_dims]

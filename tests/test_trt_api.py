@@ -38,7 +38,8 @@ OBJECTS = {  # how our code names TensorRT objects → their class
     "lm_engine": "ICudaEngine", "codec_engine": "ICudaEngine", "trt_engine": "ICudaEngine",
     "encoder_engine": "ICudaEngine", "ctx": "IExecutionContext", "lm_context": "IExecutionContext",
     "codec_context": "IExecutionContext", "encoder_context": "IExecutionContext", "trt_context": "IExecutionContext",
-    "layer": "ILayer", "registry": "IPluginRegistry",
+    "layer": "ILayer", "registry": "IPluginRegistry", "boundary": "IAttentionBoundaryLayer", "attention": "IAttention",
+    "inspector": "EngineInspector",
 }
 RTX_ONLY = {"num_compute_capabilities", "set_compute_capability", "ComputeCapability"}  # trt_shim.set_target
 REMOVED_IN_11 = [r"set_output_type", r"EXPLICIT_BATCH", r"int8_calibrator", r"BuilderFlag\.(FP16|BF16|INT8|FP8|INT4|FP4)",
@@ -212,6 +213,9 @@ def test_the_walks_see_our_tensorrt_calls():
                           ("module", "PluginField"), ("IPluginRegistry", "register_creator")]:
         assert (owner, member) in checked
     assert len(checked) > 35
+    used = {u for p in CODE for u in uses(p)}  # attributes set or read, not called: checked by name
+    assert {("IAttentionBoundaryLayer", "attention"), ("IAttention", "decomposable"),
+            ("IBuilderConfig", "profiling_verbosity"), ("ICudaEngine", "create_engine_inspector")} <= used
     for key in TABLES:  # every recorded table has these signatures
         assert signatures_of(SIGNATURES[TABLES[key][1]], "IExecutionContext", "set_tensor_address")
 

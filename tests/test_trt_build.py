@@ -10,10 +10,11 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from conftest import LM_VARIANTS
 
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.builder.tiny import write_random_checkpoint
-from higgs_trt.builder.trt_build import build
+from higgs_trt.builder.trt_build import build, build_plan, lm_ranges, profiles_for, text_table_stays_fp8
 from higgs_trt.runtime.cli import main
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.manifest import EngineDir
@@ -208,3 +209,49 @@ def test_datacenter_tensorrt_older_than_10_15_is_named():
     assert version_problem(SimpleNamespace(__version__="10.15.1.29")) is None
     assert version_problem(SimpleNamespace(__version__="11.4.0.106")) is None
     assert "TensorRT 10.14.1 is too old: the graphs need 10.15+" in version_problem(SimpleNamespace(__version__="10.14.1"))
+
+
+@pytest.mark.parametrize("variant", LM_VARIANTS, ids=lambda v: "-".join(v))
+def test_every_lm_variant_export_can_produce_builds(lm_variants, variant):
+    """op path × attention × precision, each lm graph built by TensorRT-RTX's real parser and builder for SM89."""
+    import tensorrt_rtx_bindings as trt
+
+    from higgs_trt.builder.trt_build import _without_plugin_functions
+    from higgs_trt.plugins import rtx_build
+
+    ops, attention, precision = variant
+    graph = lm_variants[variant]
+    registered = rtx_build.register(trt) if ops == "plugin" else None
+    path = _without_plugin_functions(graph["file"]) if ops == "plugin" else graph["file"]
+    try:
+        plan = build_plan(trt, path, profiles_for(graph["io"], lm_ranges(LIMITS)), "sm89", False, None,
+                          layer_info=precision == "fp8")
+    finally:
+        if path != graph["file"]:
+            path.unlink()
+    del registered
+    layers = plan.layers
+    assert len(plan.data) > 1 << 20
+    if ops == "plugin":  # rope_kv_write and decode_attention per layer, one delayed_codebook_step
+        assert layers["PLUGIN_V3"] == 2 * 2 + 1 and not {"KV_CACHE_UPDATE", "ATTENTION_OUTPUT"} & set(layers)
+    elif attention == "fused":
+        assert layers["ATTENTION_OUTPUT"] == 2 and layers["KV_CACHE_UPDATE"] == 4
+    else:  # q·kᵀ and p·v per layer as matrix multiplies, the cache still updated in place by the KV-cache layer
+        assert "ATTENTION_OUTPUT" not in layers and layers["SOFTMAX"] == 2 and layers["KV_CACHE_UPDATE"] == 4
+    if precision == "fp8":
+        assert layers["QUANTIZE"] == 2 * 4
+        # the FP8 text-embedding table stays FP8 in the plan: one kernel gathers the prompt's rows from it
+        assert text_table_stays_fp8(plan.layer_info), plan.layer_info[:2000]
+
+
+def test_lean_and_attention_refusals_are_one_error_line_before_any_work(tiny_ckpt, tmp_path):
+    refusals = {"--lean with --ops plugin: version-compatible plans take plugins only from plugin libraries":
+                ["--ops", "plugin", "--lean"],
+                "--attention matmul applies to --ops native": ["--ops", "plugin", "--attention", "matmul"]}
+    for message, args in refusals.items():
+        r = CliRunner().invoke(main, ["build", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "e"), *args])
+        assert r.exit_code == 1 and r.stderr.startswith(f"Error: {message}") and r.stderr.count("\n") == 1, r.stderr
+        assert not (tmp_path / "e").exists()
+    r = CliRunner().invoke(main, ["export", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "x"),
+                                  "--ops", "plugin", "--attention", "matmul"])
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "applies to --ops native" in r.stderr

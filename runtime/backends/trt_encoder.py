@@ -1,4 +1,4 @@
-"""TensorRT runner of `codec_encoder.plan` (reference audio → codes), driven like trt_backend.py drives codec.plan.
+"""TensorRT runner of `codec_encoder.plan` (reference audio → codes), driven like backends/trt.py drives codec.plan.
 
 A runner of its own so that encoding a reference loads only this plan. Buffers are made per call: a reference is
 encoded once (runtime/audio.py caches the codes) and its length varies from call to call.

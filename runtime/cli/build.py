@@ -29,6 +29,12 @@ limit_options = options(
 )
 
 
+attention_option = click.option(
+    "--attention", type=click.Choice(["fused", "matmul"]), default="fused", show_default=True,
+    help="--ops native: fused: ONNX Attention, TensorRT's attention layer (a fused kernel, else decomposed); matmul: "
+         "MatMul + Softmax, layers every TensorRT builds (reads every cache row, as the fused layer does).")
+
+
 def fp8_options(command):
     """--precision, --calibration and the accuracy-gate floors, shared by export and build."""
     from higgs_trt.calibration.gate import DEFAULT_COSINE, DEFAULT_TOP1
@@ -73,21 +79,23 @@ def engine_out(out: Path | None, checkpoint: Path) -> Path:
               help="native: RoPE/KV-cache/attention and the codebook step as standard ONNX ops TensorRT maps to its "
                    "own layers; plugin: the higgs::rope_kv_write, higgs::decode_attention and "
                    "higgs::delayed_codebook_step plugins (Triton kernels).")
+@attention_option
 @limit_options
 @fp8_options
 @click.pass_context
-def export(ctx, checkpoint, out, ops, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine, gate_top1):
+def export(ctx, checkpoint, out, ops, attention, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine,
+           gate_top1):
     """Export the LM (bf16 + fp32 reference twin; FP8 Q/DQ graphs too with --precision fp8) and codec graphs."""
     check_fp8_options(precision, given(ctx), gate_cosine, gate_top1)
     with extras.needed("builder", "export"):
         from higgs_trt.builder.export import export_engine
         from higgs_trt.builder.trt_build import op_path
+    path = op_path(ops, attention)
     out = engine_out(out, checkpoint)
     ckpt = open_checkpoint(checkpoint, "export")
     say(f"exporting {checkpoint} → {out}")
     t0 = time.perf_counter()
-    export_engine(ckpt, out, max_seq, max_batch, max_prompt, op_path(ops), say, precision, calibration,
-                  (gate_cosine, gate_top1))
+    export_engine(ckpt, out, max_seq, max_batch, max_prompt, path, say, precision, calibration, (gate_cosine, gate_top1))
     say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
 
 
@@ -99,28 +107,34 @@ def export(ctx, checkpoint, out, ops, max_seq, max_batch, max_prompt, precision,
               help="See `export --help`. Plugin plans built with --target hold build-only plugin twins: not runnable.")
 @click.option("--target", help=f"Build with TensorRT-RTX for this compute capability, no GPU needed "
                                f"({', '.join(trt_shim.TARGETS)}). Default: datacenter TensorRT for the local GPU.")
-@click.option("--lean", is_flag=True, help="VERSION_COMPATIBLE plans without the lean runtime, for tensorrt_lean.")
+@click.option("--lean", is_flag=True, help="VERSION_COMPATIBLE plans without the lean runtime, for tensorrt_lean "
+                                            "(--ops native only).")
+@attention_option
 @limit_options
 @fp8_options
 @click.option("--recipe", help="Named settings from engines/recipes/ (e.g. h200-fp8, tiny); flags given here win.")
 @click.pass_context
-def build(ctx, checkpoint, out, ops, target, lean, max_seq, max_batch, max_prompt, precision, calibration, gate_cosine,
-          gate_top1, recipe):
+def build(ctx, checkpoint, out, ops, target, lean, attention, max_seq, max_batch, max_prompt, precision, calibration,
+          gate_cosine, gate_top1, recipe):
     """Export (or reuse) the ONNX graphs and build TensorRT engines into an engine directory."""
     chosen = given(ctx)
     if recipe:
         settings = _recipe(recipe)
         merged = {**{k: v for k, v in settings.items() if k not in chosen}, **{k: ctx.params[k] for k in chosen}}
-        ops, target, max_seq, max_batch, max_prompt, precision = (
-            merged.get(k, ctx.params[k]) for k in ("ops", "target", "max_seq", "max_batch", "max_prompt", "precision"))
+        ops, target, attention, max_seq, max_batch, max_prompt, precision = (
+            merged.get(k, ctx.params[k])
+            for k in ("ops", "target", "attention", "max_seq", "max_batch", "max_prompt", "precision"))
     check_fp8_options(precision, chosen, gate_cosine, gate_top1)
     with extras.needed("builder", "build"):
         from higgs_trt.builder.trt_build import build as build_engine_dir
+        from higgs_trt.builder.trt_build import check_request
+    check_request(ops, attention, target, lean)
     out = engine_out(out, checkpoint)
     ckpt = open_checkpoint(checkpoint, "build")
     t0 = time.perf_counter()
     limits = {"max_seq": max_seq, "max_batch": max_batch, "max_prompt": max_prompt}
-    build_engine_dir(ckpt, out, precision, target, lean, limits, say, calibration, (gate_cosine, gate_top1), ops)
+    build_engine_dir(ckpt, out, precision, target, lean, limits, say, calibration, (gate_cosine, gate_top1), ops,
+                     attention)
     say(f"built {out} in {time.perf_counter() - t0:.1f} s")
 
 

@@ -1,5 +1,7 @@
 """`higgs-trt doctor`: what this machine has, and which build and run modes therefore work here; for each mode
-that does not, what is missing and how to get it."""
+that does not, what is missing and how to get it. `--build-check` goes further: it builds every lm variant as a
+one-layer plan of the given checkpoint and, on the local GPU, runs each against its ONNX Runtime twin
+(builder/trt_build.py, build_check)."""
 
 import importlib
 import platform
@@ -7,7 +9,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 import click
 
-from higgs_trt.runtime import cuda, trt_shim
+from higgs_trt.runtime import cuda, extras, trt_shim
+from higgs_trt.runtime.errors import HiggsError
+
+from .build import limit_options, open_checkpoint
+from .options import given, say
+from .paths import PATH
 
 
 def _package(dist: str) -> str | None:
@@ -121,8 +128,21 @@ def report() -> tuple[list[tuple[str, str]], list[tuple[str, bool, str]]]:
 
 
 @click.command()
-def doctor():
+@click.option("--build-check", is_flag=True,
+              help="Build every lm variant (op path × attention × precision) as a one-layer plan of --checkpoint and, "
+                   "on the local GPU, run a prefill and two steps of each against ONNX Runtime: what works, in a "
+                   "minute, before a full build.")
+@click.option("--checkpoint", type=PATH, help="With --build-check: the checkpoint to build (its first layer).")
+@click.option("--target", help=f"With --build-check: build with TensorRT-RTX for this compute capability instead "
+                               f"(no GPU needed; nothing is run) ({', '.join(trt_shim.TARGETS)}).")
+@limit_options
+@click.pass_context
+def doctor(ctx, build_check, checkpoint, target, max_seq, max_batch, max_prompt):
     """What TensorRT / TensorRT-RTX / lean runtime / ONNX Runtime / GPU this machine has, and what works here."""
+    if build_check or given(ctx):
+        _build_check(build_check, checkpoint, target, {"max_seq": max_seq, "max_batch": max_batch,
+                                                       "max_prompt": max_prompt})
+        return
     facts, modes = report()
     width = max(len(k) for k, _ in facts)
     for key, value in facts:
@@ -130,3 +150,19 @@ def doctor():
     click.echo("")
     for mode, ok, needs in modes:
         click.echo(f"  [{'x' if ok else ' '}] {mode}" + ("" if ok else f"  ({needs})"))
+
+
+def _build_check(build_check: bool, checkpoint, target: str | None, limits: dict) -> None:
+    if not build_check:
+        raise HiggsError("--checkpoint, --target and the limits apply to --build-check")
+    if checkpoint is None:
+        raise HiggsError("--build-check needs --checkpoint: the checkpoint you will build (its first layer is built)")
+    with extras.needed("builder", "--build-check"):
+        from higgs_trt.builder.trt_build import build_check, datacenter_tensorrt
+    if target:
+        trt_shim.check_target(target)
+        trt_shim.load("rtx")
+    else:
+        datacenter_tensorrt()  # refused before the checkpoint is read
+    if not build_check(open_checkpoint(checkpoint, "--build-check"), limits, target, say):
+        raise click.exceptions.Exit(1)
