@@ -37,6 +37,14 @@ class TorchBackend:
             cache.copy_(new)
         return logits.cpu().numpy(), codes.cpu().numpy()
 
+    def read_cache(self, slot: int, positions: int) -> list[torch.Tensor]:
+        """A copy of the keys and values of cache rows [0, positions) of `slot` (the prefix cache's)."""
+        return [cache[slot, :, :positions].clone() for cache in self.caches]
+
+    def write_cache(self, slot: int, rows: list[torch.Tensor]) -> None:
+        for cache, kept in zip(self.caches, rows):
+            cache[slot, :, :kept.shape[1]] = kept
+
     @torch.inference_mode()
     def codec(self, codes: np.ndarray) -> np.ndarray:
         return self.codec_model(torch.from_numpy(codes).to(self.device)).cpu().numpy()

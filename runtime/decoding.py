@@ -155,6 +155,60 @@ class Utterance:
         return self._frames[start:min(stop, self._complete)]
 
 
+class CodeStream:
+    """A request's frames: its segments' utterances one after another, as one stream. The codec windows decode the
+    stream, not each utterance, so the frame boundary between two segments is decoded like any other: no seam.
+    Frames of an ended segment are its ready ones (up to its end frame)."""
+
+    def __init__(self):
+        self._ended = np.zeros((0, NUM_CODEBOOKS), np.int32)  # frames of the segments that ended
+        self.current: Utterance | None = None
+        self.segments = 0
+        self.bounds: list[int] = []  # the stream's frames at the end of each segment that ended
+        self.rows = 0  # rows of the segments that ended
+        self.finished = False  # no segment will follow the current one
+        # a flush ends the stream's audio at part_end as an utterance's end; the frames after it, from part_start on,
+        # are decoded as a new utterance's (the one seam, which the client asked for)
+        self.part_start, self.part_end = 0, None
+
+    def start(self, utterance: Utterance) -> None:
+        self.current = utterance
+        self.segments += 1
+
+    def end_segment(self) -> np.ndarray:
+        """The current segment's frames [T, 8] as decoded, now part of the stream before the next one."""
+        u, self.current = self.current, None
+        frames = u.codes(0, u.ready()).copy()
+        self._ended = np.concatenate([self._ended, frames])
+        self.bounds.append(len(self._ended))
+        self.rows += len(u.rows)
+        return frames
+
+    @property
+    def done(self) -> bool:
+        """Every segment has ended: the stream's frames will not grow."""
+        return self.finished and (self.current is None or self.current.done)
+
+    @property
+    def total_rows(self) -> int:
+        return self.rows + (len(self.current.rows) if self.current is not None else 0)
+
+    def ready(self) -> int:
+        return len(self._ended) + (self.current.ready() if self.current is not None else 0)
+
+    def codes(self, start: int, stop: int) -> np.ndarray:
+        """Frames [start, stop) as decoded, special codes included (sanitize before use)."""
+        ended = len(self._ended)
+        if stop <= ended or self.current is None:
+            return self._ended[start:stop]
+        later = self.current.codes(max(start - ended, 0), stop - ended)
+        return later if start >= ended else np.concatenate([self._ended[start:], later])
+
+    def frames(self) -> np.ndarray:
+        """Every ready frame [T, 8], sanitised."""
+        return sanitize(self.codes(0, self.ready()))
+
+
 # ---- choosing codes -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

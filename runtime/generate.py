@@ -26,21 +26,25 @@ class Result:
     rows: int
 
 
-def prefill_feeds(prompts: list[Prompt]) -> dict[str, np.ndarray]:
-    b, p = len(prompts), max(len(x) for x in prompts)
+def prefill_feeds(prompts: list[Prompt], start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+    """Feeds that prefill positions [start, stop) of each prompt (default: all of it), written at cache row `start`
+    (the rows before it already in the cache)."""
+    parts = [slice(start, len(x) if stop is None else stop) for x in prompts]
+    b, p = len(prompts), max(s.stop - s.start for s in parts)
     feeds = {
         "input_ids": np.zeros((b, p), np.int32),
         "audio_codes": np.zeros((b, p, NUM_CODEBOOKS), np.int32),
         "is_audio": np.zeros((b, p), bool),
-        "write_pos": np.zeros(b, np.int64),
-        "new_len": np.array([len(x) for x in prompts], np.int64),
+        "write_pos": np.full(b, start, np.int64),
+        "new_len": np.array([s.stop - s.start for s in parts], np.int64),
         "row_index": np.zeros(b, np.int64),
         "end_frame": np.full(b, NO_END, np.int64),
     }
-    for i, x in enumerate(prompts):
-        feeds["input_ids"][i, : len(x)] = x.input_ids
-        feeds["audio_codes"][i, : len(x)] = x.audio_rows
-        feeds["is_audio"][i, : len(x)] = x.is_audio
+    for i, (x, s) in enumerate(zip(prompts, parts)):
+        n = s.stop - s.start
+        feeds["input_ids"][i, :n] = x.input_ids[s]
+        feeds["audio_codes"][i, :n] = x.audio_rows[s]
+        feeds["is_audio"][i, :n] = x.is_audio[s]
     return feeds
 
 

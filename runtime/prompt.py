@@ -2,9 +2,16 @@
 
 zero-shot:  <|tts|> <|text|> text <|audio|>
 clone:      <|tts|> [<|ref_text|> ref_text] <|ref_audio|> ref_rows×(T+7) <|text|> text <|audio|>
+history:    after the reference (if any), one more reference block per earlier segment of the same voice,
+            <|ref_text|> its text <|ref_audio|> its generated rows×(T+7), oldest first
 
 Special ids always come from the tokenizer's added vocabulary, never from constants. Reference-audio positions
 carry a delayed row of codes each (`is_audio`); their token id is 0, a valid id the graph ignores there.
+
+A history block has the layout of a reference with its transcript, the one layout the model knows for audio in the
+prompt (how upstream servers place history is not published). The voice's own reference comes first, so a prompt's
+reference part (`Prompt.prefix`) is the same for every segment of a request and every request of that voice: the
+engines keep its keys and values (the reference prefix cache).
 
 User text (CLI, compare's prompt files, the server) is checked here, once for every caller: valid Unicode without
 control characters, and no token that builds prompt structure. Of the tokenizer's added tokens only the inline
@@ -13,8 +20,10 @@ style tags may appear in text (`INLINE_TAG`: <|emotion:…|>, <|prosody:…|>, <
 other added token are refused, so text cannot forge a prompt.
 """
 
+import hashlib
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +68,8 @@ class Prompt:
     audio_rows: np.ndarray  # [P, 8] int32, delayed reference rows where is_audio
     is_audio: np.ndarray  # [P] bool
     text_chars: int  # length of the target text, for the row cap
+    prefix: int = 0  # tokens of the reference part (<|tts|> and the voice's reference block); 0 without a reference
+    prefix_key: str | None = None  # the reference part's identity: a digest of its token ids and codes
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -163,7 +174,9 @@ def check_reference_codes(codes, what: str) -> np.ndarray:
 
 
 def build_prompt(tok: HiggsTokenizer, text: str, ref_codes: np.ndarray | None = None,
-                 ref_text: str | None = None) -> Prompt:
+                 ref_text: str | None = None, history: Sequence[tuple[str, np.ndarray]] = ()) -> Prompt:
+    """The prompt for `text` in the voice of (ref_codes [T, 8], ref_text), after `history`: earlier segments of the
+    same voice as (text, frames [T, 8]), oldest first (module docstring)."""
     ids: list[int] = [tok.special(TTS)]
     rows: list[np.ndarray | None] = [None]
 
@@ -171,15 +184,24 @@ def build_prompt(tok: HiggsTokenizer, text: str, ref_codes: np.ndarray | None = 
         ids.extend(new)
         rows.extend([None] * len(new))
 
-    if ref_text is not None:
-        if ref_codes is None:
-            raise HiggsError("a reference transcript needs reference audio codes too")
-        add_tokens([tok.special(REF_TEXT), *tok.encode(ref_text, "reference text")])
-    if ref_codes is not None:
+    def add_reference(codes: np.ndarray, transcript: str | None, what: str) -> None:
+        if transcript is not None:
+            add_tokens([tok.special(REF_TEXT), *tok.encode(transcript, what)])
         add_tokens([tok.special(REF_AUDIO)])
-        for row in apply_delay(ref_codes):
+        for row in apply_delay(codes):
             ids.append(0)
             rows.append(row)
+
+    if ref_text is not None and ref_codes is None:
+        raise HiggsError("a reference transcript needs reference audio codes too")
+    prefix = key = None
+    if ref_codes is not None:
+        add_reference(ref_codes, ref_text, "reference text")
+        prefix = len(ids)
+        key = hashlib.sha256(np.asarray(ids, np.int64).tobytes() + np.ascontiguousarray(ref_codes, np.int32).tobytes()
+                             ).hexdigest()
+    for earlier, frames in history:
+        add_reference(frames, earlier, "text")
     add_tokens([tok.special(TEXT), *tok.encode(text), tok.special(AUDIO)])
 
     is_audio = np.array([r is not None for r in rows], dtype=bool)
@@ -187,4 +209,4 @@ def build_prompt(tok: HiggsTokenizer, text: str, ref_codes: np.ndarray | None = 
     for i, r in enumerate(rows):
         if r is not None:
             audio_rows[i] = r
-    return Prompt(np.asarray(ids, dtype=np.int32), audio_rows, is_audio, len(text))
+    return Prompt(np.asarray(ids, dtype=np.int32), audio_rows, is_audio, len(text), prefix or 0, key)

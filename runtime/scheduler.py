@@ -9,7 +9,9 @@ One loop, shared by every backend (the slot contract: runtime/slots.py):
            the row a request's first chunk needs; no launch once every busy request has all its rows launched,
            nor for a lone request from its first window's last row until that chunk is out
   collect  rows the engine has finished (one step late on the GPU engine) → each request's stop rules
-  release  finished or cancelled requests free their slot; the engine no longer advances it
+  release  finished or cancelled requests free their slot; the engine no longer advances it. A long-form request
+           (runtime/longform.py) whose segment ended queues again, first in line, with its next segment's prompt,
+           or waits without a slot for that segment's text to arrive
   audio    codec windows that became decodable (runtime/streaming.py), windows of equal shape decoded in one call
            (the engine returns the emitted frames' audio alone);
            an engine may decode them while the next steps run (the GPU engine's codec stream): a step's audio goes
@@ -17,7 +19,9 @@ One loop, shared by every backend (the slot contract: runtime/slots.py):
            runs a step (time to first audio without idling the GPU), a lone request's with no step beside it
 
 A request's codes depend only on its prompt, sampling and seed (batch-invariant kernels, per-request uniforms), so
-it decodes the same alone or joining a batch mid-flight. `submit` and `cancel` may be called from other threads.
+it decodes the same alone or joining a batch mid-flight. A request's audio is decoded from its code stream
+(decoding.CodeStream): its segments' frames one after another, windows crossing the segments' boundaries.
+`submit`, `cancel` and `feed_text` may be called from other threads.
 """
 
 import atexit
@@ -26,14 +30,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .decoding import HARD_CAP_ROWS, NUM_CODEBOOKS, Sampling, Utterance, row_cap, sanitize
+from .decoding import (FRAMES_PER_SECOND, HARD_CAP_ROWS, NUM_CODEBOOKS, CodeStream, Sampling, Utterance, row_cap,
+                       sanitize)
 from .errors import HiggsError
 from .prompt import Prompt
-from .streaming import StreamPlan
+from .streaming import StreamPlan, Window
+
+if TYPE_CHECKING:
+    from .longform import Script
 
 MIN_ROWS = NUM_CODEBOOKS  # fewer rows than this cannot complete a single frame
 
@@ -44,14 +52,18 @@ class QueueFull(HiggsError):
 
 @dataclass(eq=False)
 class Request:
-    prompt: Prompt
+    prompt: Prompt | None  # the current segment's; None until a streamed text's first segment is complete
     sampling: Sampling
     max_rows: int
     fixed_rows: bool = False  # benchmarks: exactly max_rows rows, no EOC or repeat stop
     on_chunk: Callable[[np.ndarray], None] | None = None  # audio as it is ready; else kept for audio()
     on_done: Callable[["Request"], None] | None = None
+    script: "Script | None" = None  # long-form: the segments after this prompt's (runtime/longform.py)
+    segment_cap: int = HARD_CAP_ROWS  # rows each segment may take (max_new_tokens)
+    max_frames: int | None = None  # frames of the whole stream at most (the request's duration cap)
     # kept by the scheduler
-    utterance: Utterance | None = None
+    utterance: Utterance | None = None  # the current (or last) segment's
+    stream: CodeStream | None = None
     emitted: int = 0  # frames whose audio went out
     planned: int = 0  # frames whose audio went out or is being decoded
     due: int = 0  # ready frames at which the window after `planned` falls due (0: not looked at yet)
@@ -73,15 +85,27 @@ class Request:
         return "cancelled" if self.cancelled else self.utterance.stop_reason
 
 
-def request_for(engine, prompt: Prompt, sampling: Sampling, hard_cap: int = HARD_CAP_ROWS, **callbacks) -> Request:
-    """A request whose row cap fits the text and the engine's cache; refused if the prompt leaves too little room."""
+def request_for(engine, prompt: Prompt | None, sampling: Sampling, hard_cap: int = HARD_CAP_ROWS, *, script=None,
+                max_seconds: float | None = None, **callbacks) -> Request:
+    """A request whose row cap fits the text and the engine's cache; refused if the prompt leaves too little room.
+    With a `script`, `prompt` is its first segment's (None: its text streams in) and `hard_cap` applies to each
+    segment."""
+    max_frames = round(max_seconds * FRAMES_PER_SECOND) if max_seconds is not None else None
+    rows = segment_rows(engine, prompt, hard_cap, max_frames) if prompt is not None else 0
+    return Request(prompt, sampling, rows, script=script, segment_cap=hard_cap, max_frames=max_frames, **callbacks)
+
+
+def segment_rows(engine, prompt: Prompt, hard_cap: int, frames_left: int | None = None) -> int:
+    """The rows a segment may take: its text's row cap within `hard_cap`, the engine's cache and the frames its
+    request has left; refused if the prompt leaves too little room."""
     if len(prompt) > engine.max_prompt:
         raise HiggsError(prompt.too_long(engine.max_prompt, "the engine's prefill takes at most"))
     room = engine.max_seq - len(prompt)
     if room < MIN_ROWS:
         raise HiggsError(prompt.too_long(engine.max_seq - MIN_ROWS, f"leaving fewer than {MIN_ROWS} of the engine's "
                                          f"{engine.max_seq} cache positions for audio: it may take at most"))
-    return Request(prompt, sampling, min(row_cap(prompt.text_chars, hard_cap), room), **callbacks)
+    cap = min(row_cap(prompt.text_chars, hard_cap), room)
+    return cap if frames_left is None else max(MIN_ROWS, min(cap, frames_left + NUM_CODEBOOKS - 1))
 
 
 PREFILL_ROWS = 256  # prompt rows one iteration prefills while others decode (≈ 6 prompts of 41 tokens)
@@ -117,6 +141,7 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * engine.max_batch
         self.occupied: list[int] = []  # the slots holding a request, ascending (kept, not scanned: host time per row)
         self.queue: deque[Request] = deque()
+        self.between: set[Request] = set()  # long-form requests between two segments: queued again, or awaiting text
         self.decoding: deque[tuple[list, list]] = deque()  # a step's (windows, codec calls) whose audio is not out
         self.urgent = True  # a request has not had its first chunk yet: steps stop at the row it needs
         self.unread: deque[int] = deque()  # rows of each launch (prefills: 1) the loop has not read yet
@@ -137,10 +162,27 @@ class Scheduler:
             if len(self.queue) - free >= self.max_queue:
                 raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting for a slot)")
             request.submitted_at = time.perf_counter()
-            request.utterance = Utterance(request.max_rows, stop_rules=not request.fixed_rows)
-            self.queue.append(request)
+            request.stream = CodeStream()
+            request.stream.finished = request.script is None
+            if request.prompt is None:  # text that streams in: its first segment is not complete yet
+                self.between.add(request)
+            else:
+                self._start_segment(request, request.prompt, request.max_rows)
+                self.queue.append(request)
         self.wakeup.set()
         return request
+
+    def feed_text(self, request: Request, text: str = "", flush: bool = False, finish: bool = False) -> None:
+        """More text for a long-form request whose text streams in (its script's feed, flush, finish); a segment it
+        completes starts at the loop's next step. The script's errors (an unknown speaker tag) are raised here."""
+        with self.lock:
+            if text:
+                request.script.feed(text)
+            if flush:
+                request.script.flush()
+            if finish:
+                request.script.finish()
+        self.wakeup.set()
 
     def cancel(self, request: Request) -> None:
         request.cancelled = True  # the loop frees its slot at its next step
@@ -160,8 +202,9 @@ class Scheduler:
         """Finish every queued and running request with `error` and free all slots, calling the engine no more (after
         an engine failure, or when a server stops)."""
         with self.lock:
-            requests = [*self.queue, *(r for r in self.slots if r is not None)]
+            requests = [*self.queue, *self.between, *(r for r in self.slots if r is not None)]
             self.queue.clear()
+            self.between.clear()
         self.slots = [None] * len(self.slots)
         self.occupied = []
         self.decoding.clear()
@@ -171,9 +214,11 @@ class Scheduler:
             self._finish(request)
 
     def run(self) -> None:
-        """Until every submitted request is finished."""
-        while self.step():
-            pass
+        """Until every submitted request is finished (sleeping while the only ones left await their text)."""
+        while self.step() or self.between:
+            if not self.queue and not self.occupied and not self.decoding:
+                self.wakeup.wait()
+                self.wakeup.clear()
 
     def step(self) -> bool:
         """One iteration; False when there is nothing left to do."""
@@ -205,8 +250,19 @@ class Scheduler:
                 freed = True
             if request.cancelled:
                 self._finish(request)
-            else:
-                windows += self._due(request)
+                continue
+            if request.utterance.done and not request.stream.finished:
+                self._end_segment(request)
+            windows += self._due(request)
+        for request in list(self.between):
+            if request.cancelled:
+                self.between.discard(request)
+                self._finish(request)
+                continue
+            if request.stream.current is None:
+                self._close_part(request)
+                self._next_segment(request)
+            windows += self._due(request)
         if freed:
             self.occupied = [s for s in busy if self.slots[s] is not None]
         t3 = time.perf_counter()
@@ -237,17 +293,19 @@ class Scheduler:
                 request = self.queue[0]
                 if request.cancelled:
                     self._finish(self.queue.popleft())
+                    self.between.discard(request)
                     continue
                 if joins and budget is not None and rows + len(request.prompt) > budget:
                     break
                 joins.append((free[len(joins)], self.queue.popleft()))
+                self.between.discard(request)
                 rows += len(request.prompt)
         if not joins:
             return
         self.prefill_calls += 1
         now = time.perf_counter()
         for _, request in joins:
-            request.admitted_at = now
+            request.admitted_at = request.admitted_at or now  # a long-form request's first segment's
         try:
             self.engine.prefill([(slot, r.prompt, r.sampling) for slot, r in joins])
         except HiggsError as e:
@@ -290,17 +348,71 @@ class Scheduler:
         request = self.slots[self.occupied[0]]
         return not request.emitted and len(request.utterance.rows) + sum(self.unread) >= self.first_rows
 
+    def _start_segment(self, request: Request, prompt: Prompt, max_rows: int) -> None:
+        request.prompt, request.max_rows = prompt, max_rows
+        request.utterance = Utterance(max_rows, stop_rules=not request.fixed_rows)
+        request.stream.start(request.utterance)
+
+    def _end_segment(self, request: Request) -> None:
+        """A long-form request's segment ended: its frames join the stream and its speaker's history."""
+        frames = request.stream.end_segment()
+        request.due = 0  # the next segment's start moves its windows (StreamPlan); _due plans them afresh
+        with self.lock:
+            request.script.spoken(frames)
+        self._close_part(request)
+        self._next_segment(request)
+
+    def _close_part(self, request: Request) -> None:
+        """A flush whose segments have all ended: the audio so far is finished off (_due)."""
+        s = request.stream
+        with self.lock:
+            flushed = request.script.flushed_at
+            if flushed is not None and len(s.bounds) >= flushed:
+                s.part_end, request.script.flushed_at = s.ready(), None
+
+    def _next_segment(self, request: Request) -> None:
+        """Queue the request again, first in line, with its next segment; else it awaits that segment's text (or
+        its stream is complete)."""
+        left = None if request.max_frames is None else request.max_frames - request.stream.ready()
+        with self.lock:
+            prompt = request.script.next_prompt() if left is None or left > 0 else None
+            if prompt is None:
+                request.stream.finished = request.script.exhausted or (left is not None and left <= 0)
+                if request.stream.finished:
+                    self.between.discard(request)
+                else:
+                    self.between.add(request)
+                return
+            try:
+                rows = segment_rows(self.engine, prompt, request.segment_cap, left)
+            except HiggsError as e:  # a segment of streamed text that cannot fit (the segmenter's budget is wrong)
+                request.error = str(e)
+                request.stream.finished = True
+                self.between.discard(request)
+                return
+            self._start_segment(request, prompt, rows)
+            self.queue.appendleft(request)
+            self.between.add(request)
+        self.wakeup.set()
+
     def _due(self, request: Request) -> list:
-        """Windows of `request` that can be decoded now; a finished request's last ones, then its completion."""
-        u = request.utterance
-        if not u.done and u.ready() < request.due:  # most calls: every busy request looks at every step
+        """Windows of `request` that can be decoded now; a finished request's last ones, then its completion. A
+        flushed part of the stream (CodeStream.part_end) is decoded to its end as an utterance is; the next part's
+        windows start from its first frame."""
+        s = request.stream
+        base, end = s.part_start, s.part_end
+        ready, done = (end, True) if end is not None else (s.ready(), s.done)
+        if not done and ready < request.due:  # most calls: every busy request looks at every step
             return []
-        out = []
-        while window := self.plan.next_window(request.planned, u.ready(), u.done):
+        out, starts = [], tuple(b - base for b in s.bounds if b > base)
+        while window := self.plan.next_window(request.planned - base, ready - base, done, starts):
+            window = Window(window.start + base, window.stop + base, window.emit_from + base, window.emit_to + base)
             out.append((request, window))
             request.planned = window.emit_to
-        request.due = self.plan.due(request.planned)
-        if u.done and not out and request.emitted == request.planned:  # else its last audio finishes it
+        request.due = base + self.plan.due(request.planned - base, starts)
+        if end is not None and request.planned == end:
+            s.part_start, s.part_end, request.due = end, None, 0
+        if s.done and not out and request.emitted == request.planned:  # else its last audio finishes it
             self._finish(request)
         return out
 
@@ -311,7 +423,7 @@ class Scheduler:
             by_shape.setdefault((window.stop - window.start, window.keep), []).append(i)
         calls = []
         for (_, keep), group in by_shape.items():
-            codes = np.stack([windows[i][0].utterance.codes(windows[i][1].start, windows[i][1].stop).T
+            codes = np.stack([windows[i][0].stream.codes(windows[i][1].start, windows[i][1].stop).T
                               for i in group])
             calls.append((group, self.engine.codec(sanitize(codes), keep)))
         self.codec_calls += len(calls)
@@ -340,7 +452,7 @@ class Scheduler:
                     continue
                 self._deliver(request, samples)
                 request.emitted = window.emit_to
-                if request.utterance.done and request.emitted >= request.utterance.ready():
+                if request.stream.done and request.emitted >= request.stream.ready():
                     self._finish(request)
 
     def _ready(self, calls: list, while_busy: bool) -> bool:

@@ -48,7 +48,7 @@ import unicodedata
 from collections.abc import Callable
 from itertools import pairwise
 
-from .errors import HiggsError
+from .errors import HiggsError, TextError
 
 SENTENCE_MARKS = ".!?…‼⁇⁈⁉。！？｡"
 CJK_SENTENCE_MARKS = "。！？｡"  # end a sentence without a following space
@@ -321,7 +321,7 @@ class Segmenter:
         if inside and self._fits(inside[0]):
             return _last(inside, self._fits)
         first = self._head(inside[0] if inside else first_word_end)
-        raise HiggsError(f"the text has {first!r}, which alone measures {self._measure_text(first)}, more than a "
+        raise TextError(f"the text has {first!r}, which alone measures {self._measure_text(first)}, more than a "
                          f"segment may ({self._max})")
 
     def _atom_starts(self, end: int) -> list[int]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from .decoding import NO_END, NUM_CODEBOOKS, Sampling, delay_mask, find_end
 from .generate import prefill_feeds, step_feeds
+from .prefix_cache import DEFAULT_ENTRIES, PrefixCache
 from .prompt import Prompt
 from .sampling import choose_row
 from .slots import Decoded, SlotEngine
@@ -23,8 +24,10 @@ from .slots import Decoded, SlotEngine
 class HostStepper(SlotEngine):
     lag = 0  # rows are known when step() returns
 
-    def __init__(self, backend):
+    def __init__(self, backend, prefix_entries: int = DEFAULT_ENTRIES):
         self.backend = backend
+        self.prefixes = PrefixCache(prefix_entries)
+        self.cacheable = hasattr(backend, "read_cache")  # a backend whose caches the host can copy (not TensorRT's)
         self.name, self.max_batch, self.max_seq = backend.name, backend.max_batch, backend.max_seq
         self.max_prompt, self.codec_strides = backend.max_prompt, backend.codec_strides
         self.hop = math.prod(self.codec_strides)  # samples per frame, as the codec decodes them
@@ -42,7 +45,18 @@ class HostStepper(SlotEngine):
             self._prefill(slot, prompt, sampling)
 
     def _prefill(self, slot: int, prompt: Prompt, sampling: Sampling) -> None:
-        logits, codes = self.backend.lm(prefill_feeds([prompt]), slot=slot)
+        """A prompt with a reference part is prefilled in two calls, the reference part first, whether or not its
+        keys and values come from the prefix cache: the same calls either way, so the cache never changes a number."""
+        start = prompt.prefix
+        if start:
+            kept = self.prefixes.get(prompt.prefix_key) if self.cacheable else None
+            if kept is not None:
+                self.backend.write_cache(slot, kept)
+            else:
+                self.backend.lm(prefill_feeds([prompt], 0, start), slot=slot)
+                if self.cacheable:
+                    self.prefixes.put(prompt.prefix_key, self.backend.read_cache(slot, start))
+        logits, codes = self.backend.lm(prefill_feeds([prompt], start), slot=slot)
         self.write_pos[slot], self.row[slot], self.end[slot] = len(prompt), 0, NO_END
         self.sampling[slot], self.live[slot] = sampling, True
         self._choose(slot, logits[0], codes[0])

@@ -16,13 +16,16 @@ frames it emits decodes them exactly as the one-shot decode does; with one frame
 Windows: the first chunk is `first` frames, then chunks grow to `chunk` frames, each at most RAMP times the audio
 emitted before it (a 2-frame first chunk is followed by 8, then 25; after the default 8 the next is 25 already): a
 chunk must be decoded before the audio sent ahead of it has played, and under load a row takes a sizeable share of
-the 40 ms its frame plays, so 25 rows behind a 2-frame first chunk would arrive late. Every window
-is decoded with up to `left` frames before and `right` after; the last window ends at the utterance's end (where the
-one-shot decode pads too), never padded past it. It reaches back as far as a middle window is long (left + chunk +
-right frames, the extra ones real context: the same samples), so that an utterance's tail decodes at the length of
-every other window (the GPU engine's captured codec graphs; eagerly, ~100 launches) unless the whole utterance is
-shorter. `first_right` < right trades exactness of the first chunk's tail for earlier audio. A window's codec call
-returns the audio of its emitted frames alone (`Window.keep`), which an engine may compute without the rest.
+the 40 ms its frame plays, so 25 rows behind a 2-frame first chunk would arrive late. A stream of several segments
+(long-form text, text streamed in) ramps up again where each segment starts: the chunk that reaches into a new
+segment stops `first` frames into it, so a segment whose text came late is heard as soon as its first chunk is fixed.
+Every window is decoded with up to `left` frames before and `right` after; the last window ends at the utterance's
+end (where the one-shot decode pads too), never padded past it. A window reaches back as far as a middle window is
+long (left + chunk + right frames, the extra ones real context: the same samples), so that an utterance's tail and a
+segment's first chunk decode at the length of every other window (the GPU engine's captured codec graphs; eagerly,
+~100 launches) unless the whole utterance is shorter. `first_right` < right trades exactness of the first chunk's
+tail for earlier audio. A window's codec call returns the audio of its emitted frames alone (`Window.keep`), which an
+engine may compute without the rest.
 """
 
 from dataclasses import dataclass
@@ -105,12 +108,12 @@ class StreamPlan:
         left, right = receptive_field(strides)
         return cls(left, right, first, chunk)
 
-    def windows(self, frames: int) -> list[Window]:
-        """Every window of an utterance of `frames` frames, in order, as they fall due while its frames are fixed one
-        at a time."""
+    def windows(self, frames: int, starts: tuple[int, ...] = ()) -> list[Window]:
+        """Every window of an utterance of `frames` frames (segments beginning at `starts`), in order, as they fall
+        due while its frames are fixed one at a time."""
         windows, emitted = [], 0
         for ready in range(1, frames + 1):
-            while window := self.next_window(emitted, ready, final=ready == frames):
+            while window := self.next_window(emitted, ready, ready == frames, starts):
                 windows.append(window)
                 emitted = window.emit_to
         return windows
@@ -125,18 +128,26 @@ class StreamPlan:
         shapes = {(w.stop - w.start, w.keep) for w in self.windows(frames)[:-1]}
         return sorted(shapes | {(middle, (self.left, middle))})
 
-    def _next(self, emitted: int) -> tuple[int, int]:
-        """(frames emitted, right holdback) of the window after `emitted` frames, unless the utterance ends first."""
-        size = self.first if emitted == 0 else min(self.chunk, RAMP * emitted)
-        return size, self.first_right if emitted == 0 and self.first_right is not None else self.right
+    def _next(self, emitted: int, starts: tuple[int, ...] = ()) -> tuple[int, int]:
+        """(frames emitted, right holdback) of the window after `emitted` frames, unless the utterance ends first.
+        `starts`: the frames where a later segment of the stream began (long-form, streamed text); the chunks ramp up
+        again from each, so that a segment whose text came late is heard as soon as a first chunk of it is fixed."""
+        if emitted == 0:
+            return self.first, self.right if self.first_right is None else self.first_right
+        since = emitted - max((b for b in starts if b <= emitted), default=0)
+        size = self.first if since == 0 else min(self.chunk, RAMP * since)
+        start = next((b for b in starts if emitted < b < emitted + size), None)
+        if start is not None:  # a segment starts within: stop at its first chunk
+            size = min(size, start - emitted + self.first)
+        return size, self.right
 
-    def due(self, emitted: int) -> int:
+    def due(self, emitted: int, starts: tuple[int, ...] = ()) -> int:
         """The fixed frames at which the window after `emitted` frames falls due (unless the utterance ends first)."""
-        return emitted + sum(self._next(emitted))
+        return emitted + sum(self._next(emitted, starts))
 
-    def next_window(self, emitted: int, ready: int, final: bool) -> Window | None:
+    def next_window(self, emitted: int, ready: int, final: bool, starts: tuple[int, ...] = ()) -> Window | None:
         """The next window once `ready` frames are fixed (`final`: no more will come), or None if not yet."""
-        size, holdback = self._next(emitted)
+        size, holdback = self._next(emitted, starts)
         if final:
             size = min(size, ready - emitted)
             if size <= 0:
@@ -144,7 +155,7 @@ class StreamPlan:
         elif ready < emitted + size + holdback:
             return None
         stop = min(ready, emitted + size + holdback)
-        start = max(0, emitted - self.left)
-        if final:  # reach back to a whole window's length: more real context, the same samples
-            start = max(0, min(start, stop - (self.left + self.chunk + self.right)))
+        # reach back to a whole window's length where there is more before: more real context, the same samples, and
+        # the length of the middle windows (an engine's captured codec calls)
+        start = max(0, min(emitted - self.left, stop - (self.left + self.chunk + self.right)))
         return Window(start, stop, emitted, emitted + size)

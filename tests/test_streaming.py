@@ -129,6 +129,24 @@ def test_chunks_grow_to_the_chunk_size_at_most_fourfold(first, sizes):
     assert emitted[:len(sizes)] == sizes and set(emitted[len(sizes):-1]) == {25} and sum(emitted) == 300
 
 
+@pytest.mark.parametrize("starts", [(40,), (33, 34, 90), (8, 60, 61, 62), (59, 150)])
+def test_chunks_ramp_up_again_where_a_segment_starts_and_stay_exact(codec, starts):
+    """The chunk reaching into a segment stops `first` frames into it (or sooner); the next grows from there. Every window still
+    carries the whole receptive field (the stream's audio is the one-shot decode), and once the stream is that long
+    it is as long as a middle window with its kept frames inside one, so the GPU engine replays its captured graphs."""
+    plan = StreamPlan.exact(codec.dims.strides)
+    frames = np.random.default_rng(sum(starts)).integers(0, 1024, size=(160, 8))
+    windows = plan.windows(len(frames), starts)
+    for start in starts:
+        assert any(w.emit_from < start < w.emit_to <= start + plan.first or w.emit_from == start for w in windows)
+    shapes, middle = plan.window_shapes(), plan.left + plan.chunk + plan.right
+    assert all(any(f == w.stop - w.start and a <= w.keep[0] and w.keep[1] <= b for f, (a, b) in shapes)
+               for w in windows if w.stop >= middle)
+    out = np.concatenate([decode(codec, frames[w.start:w.stop], w.keep) for w in windows])
+    whole = decode(codec, frames)
+    assert np.abs(out - whole).max() < 1e-12 * (1 + np.abs(whole).max())
+
+
 def test_window_shapes_name_the_first_windows_the_middle_ones_and_the_last():
     """The second window starts at frame 0 while the first chunk is shorter than the left context: 8 + 25 + 10; the
     last window keeps up to a chunk at the end of a middle window's length."""

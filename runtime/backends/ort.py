@@ -81,6 +81,14 @@ class OrtBackend:
         logits, codes = b.get_outputs()[:2]
         return logits.numpy(), codes.numpy()
 
+    def read_cache(self, slot: int, positions: int) -> list[np.ndarray]:
+        """A copy of the keys and values of cache rows [0, positions) of `slot`."""
+        return [cache[slot, :, :positions].copy() for cache in self.caches]
+
+    def write_cache(self, slot: int, rows: list[np.ndarray]) -> None:
+        for cache, kept in zip(self.caches, rows):
+            cache[slot, :, :kept.shape[1]] = kept
+
     def codec(self, codes: np.ndarray) -> np.ndarray:
         """Windows [N, 8, T] → audio [N, 1, 960·T], one window per session run: ONNX Runtime's CPU convolutions
         round differently (~1e-7) by batch size, and one at a time each window's audio is bit-exact whatever else
