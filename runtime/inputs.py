@@ -9,6 +9,7 @@ from .errors import HiggsError
 JSON_BYTES = 64 << 20  # config, manifest, index, prompts, calibration: the largest real one (a manifest) is ~1 MB
 TOKENIZER_BYTES = 256 << 20  # Qwen3's tokenizer.json is ~11 MB
 CODES_BYTES = 16 << 20  # reference codes: 2 M codes, far past any prompt
+TEXT_BYTES = 16 << 20  # a text to speak: hours of speech
 
 
 def kind_of(mode: int) -> str:

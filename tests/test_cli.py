@@ -92,8 +92,12 @@ def test_unwritable_output(tiny_ckpt, tmp_path):
     assert r.exit_code != 0 and "does not exist" in r.stderr
 
 
-def test_over_long_text(tiny_ckpt, tmp_path):
-    bad(tmp_path, "--checkpoint", tiny_ckpt, "--max-seq", "32", "--text", "word " * 40, message="text too long")
+def test_text_longer_than_a_prompt_is_spoken_in_segments(tiny_ckpt, tmp_path):
+    out = tmp_path / "out.wav"
+    r = higgs_in_process("run", "--checkpoint", tiny_ckpt, "--max-seq", "32", "--text", "word " * 40,
+                         "--max-new-tokens", 8, "--out", out)
+    assert r.exit_code == 0 and re.search(r"rows in \d+ segments", r.stderr), r.stderr
+    assert out.stat().st_size > 44
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -210,6 +210,16 @@ def _file(w: World, content: str = "x") -> Path:
     return w.tmp / "f"
 
 
+def _empty_dir(w: World) -> Path:
+    (w.tmp / "empty").mkdir()
+    return w.tmp / "empty"
+
+
+def _bytes(w: World, content: bytes) -> Path:
+    (w.tmp / "b").write_bytes(content)
+    return w.tmp / "b"
+
+
 def _in_two_shards(w: World) -> Path:
     ck = w.ckpt_copy()
     first, second = sorted(ck.glob("model-*.safetensors"))
@@ -518,11 +528,28 @@ TEXT = [
          "--device cuda needs torch built with CUDA", without_gpu=True),
     Case("ref-audio-a-device", lambda w: w.run_ort(w.engine, "--ref-audio", "/dev/zero"),
          "/dev/zero: reference audio is not a regular file"),  # 'not found'
-    Case("too-long-for-engine", lambda w: w.run_ort(w.engine, text="word " * 120), "the engine's prefill takes at most 96"),
     Case("reference-too-long-for-engine", lambda w: w.run_ort(w.engine, "--ref-codes", _ref(w, np.zeros((200, 8), int))),
          "text and reference audio too long: the prompt takes"),
-    Case("too-long-for-cache", lambda w: w.run_torch(w.ckpt, "--max-seq", "32") + ["--text", "word " * 40],
-         "text too long"),
+    Case("reference-too-long-for-cache", lambda w: w.run_torch(w.ckpt, "--max-seq", "32", "--ref-codes",
+                                                               _ref(w, np.zeros((20, 8), int))),
+         "the engine's prefill takes at most 24"),
+    Case("text-and-text-file", lambda w: w.run_ort(w.engine, "--text-file", _file(w, "Hi.")), "one of them"),
+    Case("text-file-missing", lambda w: ["run", "--engine", w.engine, "--text-file", w.tmp / "none.txt", "--out", w.out],
+         "none.txt: not found"),
+    Case("text-file-not-utf8", lambda w: ["run", "--engine", w.engine, "--text-file", _bytes(w, b"caf\xe9"), "--out",
+                                          w.out], "not UTF-8 text"),
+    Case("speaker-malformed", lambda w: w.run_ort(w.engine, "--speaker", "alice"), "give TAG=VOICE"),
+    Case("speaker-twice", lambda w: w.run_ort(w.engine, "--speaker", "S1=default", "--speaker", "S1=default"),
+         "--speaker S1 is given twice"),
+    Case("speaker-unknown-voice", lambda w: w.run_ort(w.engine, "--speaker", "S1=nobody"), "no voice 'nobody'"),
+    Case("speaker-tag-unmapped", lambda w: w.run_ort(w.engine, "--speaker", "S1=default", text="[S1] Hi. [S2] Yo."),
+         "[S2] is not mapped to a voice"),
+    Case("speaker-tag-without-speakers", lambda w: w.run_ort(w.engine, text="[S1] Hi."),
+         "needs a `speakers` mapping"),
+    Case("voices-without-speaker", lambda w: w.run_ort(w.engine, "--voices", _empty_dir(w)),
+         "--voices applies to --speaker"),
+    Case("max-new-tokens-too-few", lambda w: w.run_ort(w.engine, "--max-new-tokens", 3),
+         "--max-new-tokens must lie in 8..2048"),
     Case("argv-not-utf8", lambda w: ["run", "--engine", w.engine, "--text", b"caf\xe9 \xff", "--out", w.out],
          "text is not valid UTF-8", subprocess=True),
     Case("bench-text-structural", lambda w: _bench_engine(w, "--text", "x <|eoc|>"), "<|eoc|>"),
