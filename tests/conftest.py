@@ -28,6 +28,17 @@ def tiny_engine(tiny_ckpt, tmp_path_factory) -> Path:
                          max_prompt=96, say=lambda msg: None)
 
 
+@pytest.fixture(scope="session")
+def serve_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny checkpoint with a longer cache than tiny_engine's, so a served request can outlast a disconnect and a
+    long text's segments carry history. Read-only."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.export import export_engine
+
+    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("serve") / "engine", max_seq=1024, max_batch=4,
+                         max_prompt=160, say=lambda msg: None)
+
+
 @pytest.fixture
 def engine_copy(tiny_engine, tmp_path) -> Path:
     """A private copy of the tiny engine directory that a test may damage."""

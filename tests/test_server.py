@@ -10,7 +10,6 @@ import io
 import json
 import random
 import re
-import resource
 import shutil
 import signal
 import socket
@@ -18,7 +17,7 @@ import subprocess
 import sys
 import time
 import wave
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import httpx
 import numpy as np
@@ -38,6 +37,7 @@ from higgs_trt.runtime.server.speech_api import MODEL_ID
 from higgs_trt.runtime.sinks import wav_header
 from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.wav import pcm16
+from serving import Server, body, free_port, metric
 
 TEXT = "Hello there, how are you today?"
 LONG = ("This one goes on and on for quite a while, so that a client can leave long before it ends, and a timeout can "
@@ -50,13 +50,8 @@ SPEECH = "/v1/audio/speech"
 # ---- the engine, solo runs, and a server process -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_ckpt, tmp_path_factory):
-    """The tiny checkpoint with a longer cache than tiny_engine's, so a request can outlast a disconnect."""
-    from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.export import export_engine
-
-    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("serve") / "engine", max_seq=1024, max_batch=4,
-                         max_prompt=160, say=lambda msg: None)
+def engine_dir(serve_engine):
+    return serve_engine
 
 
 @pytest.fixture(scope="module")
@@ -115,81 +110,12 @@ def long_request(solo) -> dict:
     return body(input=LONG, seed=LONG_SEED, max_new_tokens=900, response_format="pcm")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, engine_dir, log_path, *args, open_files: int | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        limit = None if open_files is None else partial(resource.setrlimit, resource.RLIMIT_NOFILE, (open_files,) * 2)
-        self.proc = subprocess.Popen([sys.executable, "-m", "higgs_trt.runtime.cli", "serve", "--engine",
-                                      str(engine_dir), "--port", str(self.port), *map(str, args)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=limit)
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.output()}"
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"server not ready:\n{self.output()}"
-            time.sleep(0.2)
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics").text
-        return {m[1]: float(m[2]) for m in re.finditer(r"^(higgs_\S+) (\S+)$", text, re.MULTILINE)
-                if not m[1].endswith("_created")}
-
-    def rss_mb(self) -> float:
-        status = open(f"/proc/{self.proc.pid}/status").read()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) / 1024
-
-    def wait_idle(self, timeout=30.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if m["higgs_busy_slots"] == 0 and m["higgs_queue_depth"] == 0:
-                return m
-            assert time.monotonic() < deadline, f"slots still busy: {m}"
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
 def server(engine_dir, refs, tmp_path_factory):
     s = Server(engine_dir, tmp_path_factory.mktemp("log") / "server.log", "--voices", refs["voices"], "--ref-dir",
                refs["ref_dir"], "--max-queue", 64)
     yield s
     assert s.stop() == 0, s.output()
-
-
-def metric(m: dict, name: str) -> float:
-    return m.get(name, 0.0)
-
-
-def body(**fields) -> dict:
-    return {"model": MODEL_ID, **fields}
 
 
 # ---- the official openai client ----------------------------------------------------------------------------------
@@ -295,7 +221,7 @@ def test_voices_and_references_equal_their_solo_runs(server, solo, refs):
         assert r.status_code == 200, r.text
         return r.content
 
-    assert httpx.get(server.url + "/v1/audio/voices").json() == {"voices": ["default", "coded", "sung"]}
+    assert httpx.get(server.url + "/v1/audio/voices").json()["voices"] == ["default", "coded", "sung"]
     assert audio(voice="coded") == solo.run(TEXT, 4, 60, "coded", "Some words.")[0]
     assert audio(voice="sung") == solo.run(TEXT, 4, 60, "sung", "A rising tone.")[0]
     cloned = solo.run(TEXT, 4, 60, "audio", "Hi.")[0]
@@ -324,7 +250,7 @@ BAD = [  # (body: dict | bytes, status, param)
     ({"input": "x" * 4097}, 400, "input"),
     ({"input": "Hi <|tts|> there"}, 400, "input"),
     ({"input": "Hi\x07"}, 400, "input"),
-    ({"input": "word " * 200}, 400, "input"),  # longer than the engine's prefill
+    ({"input": "Hi", "ref_codes": [[0] * 8] * 200}, 400, "ref_codes"),  # a reference longer than the engine's prefill
     ({"input": "Hi", "voice": "alloy"}, 400, "voice"),
     ({"input": "Hi", "voice": 3}, 400, "voice"),
     ({"input": "Hi", "voice": "coded", "ref_codes": GOOD_CODES}, 400, "voice"),
@@ -644,15 +570,17 @@ def test_health_is_503_until_warm_and_while_shutting_down(engine_dir):
 
     from higgs_trt.runtime.cli.engines import load_tokenizer, open_encoder, open_engine, open_sources
     from higgs_trt.runtime.server.app import SpeechService, create_app
+    from higgs_trt.runtime.server.limits import Limits
     from higgs_trt.runtime.server.engine_thread import EngineThread
-    from higgs_trt.runtime.server.voices import load_voices
+    from higgs_trt.runtime.server.voices import VoiceStore
 
     sources = open_sources("ort", engine_dir, None, None, None)
     tokenizer, gate = load_tokenizer(sources), threading.Event()
-    voices = load_voices(None, tokenizer)
+    store = VoiceStore(None, tokenizer)
+    voices = store.voices
     thread = EngineThread(lambda: gate.wait() and open_engine(sources, max_batch=2), lambda: open_encoder(sources),
                           tokenizer, voices, 8)
-    service = SpeechService(thread, tokenizer, voices, None, 60.0)
+    service = SpeechService(thread, tokenizer, store, None, Limits(timeout=60.0))
     with TestClient(create_app(service)) as client:
         assert client.get("/health").json() == {"status": "loading"}
         r = client.post(SPEECH, json=body(input=TEXT))
@@ -704,14 +632,16 @@ def test_audio_that_turns_nan_while_serving_fails_its_request_only(engine_dir):
 
     from higgs_trt.runtime.cli.engines import load_tokenizer, open_encoder, open_engine, open_sources
     from higgs_trt.runtime.server.app import SpeechService, create_app
+    from higgs_trt.runtime.server.limits import Limits
     from higgs_trt.runtime.server.engine_thread import EngineThread
-    from higgs_trt.runtime.server.voices import load_voices
+    from higgs_trt.runtime.server.voices import VoiceStore
 
     sources = open_sources("ort", engine_dir, None, None, None)
     tokenizer = load_tokenizer(sources)
-    voices = load_voices(None, tokenizer)
+    store = VoiceStore(None, tokenizer)
+    voices = store.voices
     thread = EngineThread(lambda: open_engine(sources, max_batch=2), lambda: open_encoder(sources), tokenizer, voices, 8)
-    service = SpeechService(thread, tokenizer, voices, None, 60.0)
+    service = SpeechService(thread, tokenizer, store, None, Limits(timeout=60.0))
     with TestClient(create_app(service)) as client:
         assert thread.ready.wait(120)
         backend = thread.engine.backend

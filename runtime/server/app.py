@@ -1,9 +1,12 @@
 """`higgs-trt serve`'s HTTP side: OpenAI's speech API as Starlette routes over the engine thread.
 
   POST /v1/audio/speech   a body as speech_api.py reads it → audio, streamed as it is decoded
-  GET  /v1/models         the one model served;  GET /v1/audio/voices: `default` and --voices DIR's names
+  WS   /v1/audio/speech/stream  text in as it is written, audio out as each segment is ready (text_stream.py)
+  GET  /v1/models         the one model served
+  /v1/audio/voices        list, upload, read and delete named voices (voice_routes.py)
   GET  /health            200 once the engine is loaded and warmed; 503 while loading, shutting down, or failed
   GET  /metrics           Prometheus text (metrics.py)
+With `serve --api-key`, every route but /health needs the key (auth.py).
 
 A handler submits its request (thread-safe) and gets the audio through an asyncio.Queue that the engine thread feeds
 with `call_soon_threadsafe`. When a response body stops early — the client went away (Starlette cancels the body),
@@ -37,94 +40,43 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from higgs_trt.runtime.audio import encode_reference, load_reference_audio, reference_audio_from_bytes
-from higgs_trt.runtime.prompt import build_prompt
+from higgs_trt.runtime.longform import Reference, plan_text
 from higgs_trt.runtime.scheduler import QueueFull, request_for
 from higgs_trt.runtime.sinks import wav_header
-from higgs_trt.runtime.wav import NON_FINITE, SAMPLE_RATE, pcm16
+from higgs_trt.runtime.wav import SAMPLE_RATE, pcm16
 
+from .audio_queue import AudioQueue, Cut
+from .auth import BearerAuth
 from .engine_thread import EngineThread
+from .limits import Limits
 from .metrics import Metrics
 from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
-from .voices import Voice
+from .text_stream import speech_stream
+from .voice_routes import voice_routes
+from .voices import Voice, VoiceStore
 
 log = logging.getLogger("uvicorn.error")
 
-MAX_BODY_BYTES = 16 << 20  # a 30 s reference as base64 fits (48 kHz stereo float32: 15.4 MB)
 # Bodies up to this size are parsed on the event loop, larger ones (reference audio in base64) in a worker thread:
 # the hop to a worker and back costs each request of a wave two turns at the GIL, which dominated admission under load.
 INLINE_PARSE_BYTES = 64 << 10
 # Requests whose body passed INLINE_PARSE_BYTES (reference audio) being read, decoded and encoded at once; past this a
 # new one gets 429. The engine thread encodes them one at a time anyway, so more would only hold memory (~50 MB each).
 LARGE_BODIES_AT_ONCE = 8
-
-
-class Cut(Exception):
-    """The request stopped before its audio was complete (timeout, engine failure)."""
-
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
-
-
-class AudioQueue:
-    """The request's callbacks (called on the engine thread) → an asyncio.Queue the response body reads."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics):
-        self.loop, self.metrics = loop, metrics
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.stopped: str | None = None  # why the body stopped early: the outcome of a cancelled request
-        self.non_finite = False  # a chunk held NaN or infinite samples: the body is cut there, the request failed
-
-    def chunk(self, samples: np.ndarray) -> None:
-        if np.isfinite(samples).all():
-            self.metrics.audio.inc(len(samples) / SAMPLE_RATE)
-            self._put(samples)
-        elif not self.non_finite:  # checked here, on the engine thread: the body meets a Cut where the chunk was
-            self.non_finite = True
-            self._put(Cut(f"the engine decoded {NON_FINITE}", "engine_error"))
-
-    def done(self, request) -> None:
-        failed = request.error or self.non_finite
-        outcome = "failed" if failed else (self.stopped or "cancelled") if request.cancelled else "completed"
-        self.metrics.requests.labels(outcome).inc()
-        if request.admitted_at is not None:
-            self.metrics.queue_wait.observe(request.admitted_at - request.submitted_at)
-        if request.first_audio_at is not None:
-            self.metrics.ttfa.observe(request.first_audio_at - request.submitted_at)
-        self._put(None)
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the event loop has closed: nobody is listening
-            pass
-
-    async def chunks(self, request, deadline: float):
-        """The request's audio chunks as they come; Cut if it times out or fails."""
-        while True:
-            try:
-                item = await asyncio.wait_for(self.items.get(), max(deadline - self.loop.time(), 0))
-            except asyncio.TimeoutError:
-                self.stopped = "timeout"
-                raise Cut("the request timed out (the server's --timeout)", "timeout") from None
-            if item is None:
-                break
-            if isinstance(item, Cut):
-                raise item
-            yield item
-        if request.error:
-            raise Cut(request.error, "engine_error")
+INLINE_PLAN_CHARS = 512  # longer texts are cut into segments in a worker thread
 
 
 class SpeechService:
-    def __init__(self, engine: EngineThread, tokenizer, voices: dict[str, Voice], ref_dir: Path | None,
-                 timeout: float, max_body: int = MAX_BODY_BYTES, model: str = MODEL_ID, fixed_length: bool = False):
-        self.engine, self.tokenizer, self.voices, self.ref_dir = engine, tokenizer, voices, ref_dir
+    def __init__(self, engine: EngineThread, tokenizer, store: VoiceStore, ref_dir: Path | None,
+                 limits: Limits = Limits(), model: str = MODEL_ID, fixed_length: bool = False,
+                 api_key: str | None = None):
+        self.engine, self.tokenizer, self.store, self.ref_dir = engine, tokenizer, store, ref_dir
         self.fixed_length = fixed_length  # benchmarks: every request decodes exactly max_new_tokens rows
-        self.timeout, self.max_body, self.model = timeout, max_body, model
+        self.limits, self.model, self.api_key = limits, model, api_key
+        self.timeout, self.max_body = limits.timeout, limits.max_body
         self.metrics = Metrics(engine)
         self.created = int(time.time())
         self.draining = False
@@ -146,8 +98,9 @@ class SpeechService:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
                                                          "owned_by": "higgs-trt"}]})
 
-    async def voice_names(self, request: Request) -> Response:
-        return JSONResponse({"voices": list(self.voices)})
+    @property
+    def voices(self) -> dict[str, Voice]:
+        return self.store.voices
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -187,21 +140,18 @@ class SpeechService:
         large = False
         try:
             body, large = await self._body(request, deadline)
-            if len(body) <= INLINE_PARSE_BYTES:
-                speech = parse_speech(body, self.model, self.voices, self.ref_dir)
-            else:
-                speech = await run_in_threadpool(parse_speech, body, self.model, self.voices, self.ref_dir)
-            del body  # up to 16 MB, not needed while its reference audio is decoded and encoded
-            prompt = await self._prompt(speech)
+            parse = partial(parse_speech, body, self.model, self.voices, self.ref_dir, self.limits.max_input_chars)
+            speech = parse() if len(body) <= INLINE_PARSE_BYTES else await run_in_threadpool(parse)
+            del body, parse  # up to 16 MB, not needed while its reference audio is decoded and encoded
+            prompt, script = await self._prompt(speech)
         finally:
             self.admitting -= 1
             self.large_bodies -= large
         stream = AudioQueue(asyncio.get_running_loop(), self.metrics)
-        reference = ("voice" if speech.voice != "default" else "ref_audio" if speech.ref_audio is not None
-                     else "ref_codes" if speech.ref_codes is not None else None)
-        with field(reference or "input"):  # a prompt too long for the engine: its reference is named, if it has one
+        with field(self.blamed(speech)):  # a prompt too long for the engine: its reference is named, if it has one
             job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
-                              on_chunk=stream.chunk, on_done=stream.done)
+                              script=script, max_seconds=self.limits.max_seconds, on_chunk=stream.chunk,
+                              on_done=stream.done)
         job.fixed_rows = self.fixed_length
         try:
             self.engine.scheduler.submit(job)
@@ -255,7 +205,15 @@ class SpeechService:
             raise
         return b"".join(parts), large
 
-    async def _prompt(self, speech: Speech):
+    @staticmethod
+    def blamed(speech: Speech) -> str:
+        """The field a prompt too long for the engine is blamed on: its reference, if it has one."""
+        return ("voice" if speech.voice != "default" else "ref_audio" if speech.ref_audio is not None
+                else "ref_codes" if speech.ref_codes is not None else "speakers" if speech.speakers else "input")
+
+    async def voice(self, speech: Speech) -> tuple[Reference, dict[str, Reference]]:
+        """The request's voice (a named one, or its reference audio encoded on the engine thread, or its codes) and
+        its speakers' voices, every text checked."""
         voice = self.voices[speech.voice]
         codes, text = (voice.codes, voice.text) if speech.voice != "default" else (speech.ref_codes, speech.ref_text)
         if speech.ref_audio is not None:
@@ -273,9 +231,19 @@ class SpeechService:
         if speech.ref_text is not None:
             with field("ref_text"):
                 self.tokenizer.encode(speech.ref_text, "ref_text")
+        cast = {key: Reference(self.voices[name].codes, self.voices[name].text)
+                for key, name in (speech.speakers or {}).items()}
+        return Reference(codes, text), cast
+
+    async def _prompt(self, speech: Speech):
+        """(the first prompt, the script of the later segments or None) of the request (longform.plan_text)."""
+        voice, cast = await self.voice(speech)
         with field("input"):
             self.tokenizer.encode(speech.text, "input")  # its errors name the field; build_prompt's say "text"
-            return build_prompt(self.tokenizer, speech.text, codes, text)
+        plan = partial(plan_text, self.tokenizer, speech.text, voice, cast, self.engine.engine.max_prompt,
+                       self.limits.history)
+        with field(self.blamed(speech)):  # a long text's segments: tokenizing each holds the event loop
+            return plan() if len(speech.text) <= INLINE_PLAN_CHARS else await run_in_threadpool(plan)
 
     # ---- response bodies (AudioResponse cancels the request when one stops early) ----
 
@@ -335,7 +303,7 @@ class SpeechService:
             return
         if header:  # no audio at all: a wav is still a wav
             yield delta(header)
-        rows = len(job.utterance.rows)
+        rows = job.stream.total_rows
         yield event({"type": "speech.audio.done",
                      "usage": {"input_tokens": input_tokens, "output_tokens": rows, "total_tokens": input_tokens + rows}})
 
@@ -384,11 +352,12 @@ def create_app(service: SpeechService) -> Starlette:
         return JSONResponse(error.body(), e.status_code, headers=e.headers)
 
     routes = [Route("/v1/audio/speech", service.speech, methods=["POST"]),
-              Route("/v1/models", service.models), Route("/v1/audio/voices", service.voice_names),
+              WebSocketRoute("/v1/audio/speech/stream", partial(speech_stream, service)),
+              Route("/v1/models", service.models), *voice_routes(service),
               Route("/health", service.health), Route("/metrics", service.metrics_text)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.router.redirect_slashes = False  # its 307 is built from the client's Host header, and says http behind TLS
-    return app
+    return BearerAuth(app, service.api_key) if service.api_key else app
 
 
 def busy(why: str) -> ApiError:

@@ -39,7 +39,8 @@ def connection_protocol(header_seconds: float, max_connections: int):
                                                                     self.timeout_keep_alive_handler)
 
         def _drop_before_first_request(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+            upgraded = self.transport.get_protocol() is not self  # a WebSocket now owns the connection
+            if self.cycle is None and not upgraded and not self.transport.is_closing():
                 self.transport.close()
 
     return Connection

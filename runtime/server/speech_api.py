@@ -1,12 +1,13 @@
 """OpenAI's `POST /v1/audio/speech` body → a checked `Speech`, or an `ApiError` whose `param` names the field.
 
-OpenAI's fields: `model`, `input` (≤ 4096 characters), `voice` (a name or `{"id": name}`), `response_format`,
+OpenAI's fields: `model`, `input` (≤ `serve --max-input-chars`, 4096 by default; longer than one prompt, it is
+spoken in segments: runtime/longform.py), `voice` (a name or `{"id": name}`), `response_format`,
 `speed` (1.0 only: the model has no rate control and resampling would change the voice), `stream_format`
 (`audio` | `sse`), `instructions` (refused: style comes from inline tags in `input`, e.g. <|emotion:…|>).
 Extensions, named as vLLM-Omni names them: `stream` (true alone means SSE), `seed`, `temperature`, `top_k`, `top_p`,
 `max_new_tokens` (decode steps, one row of 8 codes each), `ref_audio` (base64, a data: URL, or a file:// path below
 the server's --ref-dir), `ref_text` (≤ 4096 characters); and `ref_codes` (reference codes [T][8], the layout of
-`--ref-codes`).
+`--ref-codes`), `speakers` (dialogue: {"S1": voice name, …} for the [S1] … tags in `input`).
 Sampling defaults are the CLI's (temperature 1.0, top_k 0, top_p 1.0, seed 0), so a request without options sounds
 exactly like `higgs-trt run` with none: same text, same audio; send `seed` for another take.
 
@@ -26,13 +27,15 @@ from pathlib import Path
 import numpy as np
 
 from higgs_trt.runtime.decoding import AUDIO_VOCAB, HARD_CAP_ROWS, Sampling
-from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.errors import HiggsError, TextError
+from higgs_trt.runtime.longform import check_speakers
 from higgs_trt.runtime.options import sampling
 from higgs_trt.runtime.prompt import check_reference_codes, check_text
 from higgs_trt.runtime.scheduler import MIN_ROWS
 
+from .limits import MAX_INPUT_CHARS
+
 MODEL_ID = "higgs-audio-v3"  # the one model a server serves (GET /v1/models)
-MAX_INPUT_CHARS = 4096
 STREAMED = ("wav", "pcm")  # written chunk by chunk as the audio is decoded
 ENCODED = {  # written by soundfile once the utterance is complete: (format, subtype, media type)
     "flac": ("FLAC", "PCM_16", "audio/flac"),
@@ -42,7 +45,7 @@ ENCODED = {  # written by soundfile once the utterance is complete: (format, sub
 FORMATS = STREAMED + tuple(ENCODED)
 DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # the CLI's
 FIELDS = {"model", "input", "voice", "response_format", "speed", "stream_format", "instructions", "stream",
-          "temperature", "top_k", "top_p", "seed", "max_new_tokens", "ref_audio", "ref_text", "ref_codes"}
+          "temperature", "top_k", "top_p", "seed", "max_new_tokens", "ref_audio", "ref_text", "ref_codes", "speakers"}
 DATA_URL = re.compile(r"data:[^,;]*(?:;[^,;]*)*;base64,(.*)", re.DOTALL)
 
 
@@ -61,9 +64,11 @@ class ApiError(Exception):
 
 @contextmanager
 def field(name: str):
-    """A HiggsError raised inside is the client's mistake in field `name`: 400 naming it."""
+    """A HiggsError raised inside is the client's mistake in field `name` (a TextError: in `input`): 400 naming it."""
     try:
         yield
+    except TextError as e:
+        raise ApiError(400, str(e), "input") from None
     except HiggsError as e:
         message = str(e).replace(f"--{name.replace('_', '-')}", name)  # the CLI's option name → the field's
         raise ApiError(400, message, name) from None
@@ -80,9 +85,11 @@ class Speech:
     ref_audio: bytes | Path | None = None  # an upload's bytes, or a file below --ref-dir
     ref_codes: np.ndarray | None = None  # [T, 8] int32
     ref_text: str | None = None
+    speakers: dict[str, str] | None = None  # tag → voice name
 
 
-def parse_speech(body: bytes, model: str, voices, ref_dir: Path | None) -> Speech:
+def parse_speech(body: bytes, model: str, voices, ref_dir: Path | None, max_input_chars: int = MAX_INPUT_CHARS
+                 ) -> Speech:
     """Every check that needs no engine; `voices`: the names the server knows."""
     try:
         data = json.loads(body)
@@ -104,7 +111,7 @@ def parse_speech(body: bytes, model: str, voices, ref_dir: Path | None) -> Speec
     text = _typed(given, "input", str)
     if text is None:
         raise ApiError(400, "input is required: the text to speak", "input", "missing_required_parameter")
-    _short(text, "input")
+    _short(text, "input", max_input_chars)
     with field("input"):
         check_text(text, "input")
     if _typed(given, "instructions", str, ""):
@@ -170,7 +177,18 @@ def parse_speech(body: bytes, model: str, voices, ref_dir: Path | None) -> Speec
     if voice != "default" and (ref_audio is not None or ref_codes is not None):
         raise ApiError(400, f"voice {voice!r} brings its own reference; send ref_audio / ref_codes with voice "
                        "'default'", "voice")
-    return Speech(text, voice, fmt, sse, Sampling(**options), max_new_tokens, ref_audio, ref_codes, ref_text)
+    speakers = _typed(given, "speakers", dict)
+    if speakers is not None:
+        if ref_audio is not None or ref_codes is not None or voice != "default":
+            raise ApiError(400, "speakers gives each turn its voice; leave voice, ref_audio and ref_codes out",
+                           "speakers")
+        if not speakers or not all(isinstance(v, str) for v in speakers.values()):
+            raise ApiError(400, 'speakers maps tags to voice names, e.g. {"S1": "alice", "S2": "default"}',
+                           "speakers", "invalid_type")
+        with field("speakers"):
+            check_speakers(speakers, voices)
+    return Speech(text, voice, fmt, sse, Sampling(**options), max_new_tokens, ref_audio, ref_codes, ref_text,
+                  speakers)
 
 
 def _kind(value) -> str:
@@ -190,10 +208,10 @@ def _typed(given: dict, key: str, types, default=None):
     return value
 
 
-def _short(text: str, key: str) -> None:
+def _short(text: str, key: str, limit: int = MAX_INPUT_CHARS) -> None:
     """Texts are capped before any per-character check or tokenizing (a 16 MB body would hold the event loop)."""
-    if len(text) > MAX_INPUT_CHARS:
-        raise ApiError(400, f"{key} is {len(text)} characters; at most {MAX_INPUT_CHARS}", key)
+    if len(text) > limit:
+        raise ApiError(400, f"{key} is {len(text)} characters; at most {limit}", key)
 
 
 def _reference_audio(value: str | None, ref_dir: Path | None) -> bytes | Path | None:
