@@ -1,6 +1,9 @@
 """Decode attention: causal attention of new rows over a static KV cache [B, Hkv, S_max, D] (GQA), reading only each
 row's valid prefix (keys 0..write_pos[b] + s), q scaled beforehand (as the graph's Attention op takes it).
 
+prompt_attention is the GPU engine's form for a prefill: each prompt's rows attend to the keys of the cache row (slot)
+it was written into, so a prompt whose reference part's keys are already there (the prefix cache) starts past them.
+
 decode_attention_split is the GPU engine's form for one new row: it starts from the q|k|v projection's row (the work
 of rope.qk_norm_rope_kv_write for that row, then attention), splits the prefix into fixed chunks of CHUNK keys for
 parallelism and combines them in chunk order, so a row's result depends only on its own length, never on the
@@ -69,18 +72,46 @@ def decode_attention(q, k_cache, v_cache, write_pos,
                      BLOCK_S: tl.constexpr):
     """Plugin form. q [B, Hq, S, D] (RoPE applied, scaled by 1/√D), caches [B, Hkv, max_seq, D] already holding the
     new rows → out [B, Hq, S, D]. Grid (B, Hkv, ⌈S·G / BLOCK_Q⌉), G = Hq / Hkv query heads per KV head."""
+    _causal_rows(q, k_cache, v_cache, write_pos, None, seq, max_seq, out, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_Q,
+                 BLOCK_S)
+
+
+@triton.jit
+def prompt_attention(q, k_cache, v_cache, write_pos, slots, seq, max_seq, out,
+                     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_S: tl.constexpr):
+    """GPU engine's prefill form: prompt b's S rows (q [B, Hq, S, D], scaled) sit at positions write_pos[b] + s of
+    cache row slots[b] (caches [rows, Hkv, max_seq, D], keys and values written there, those before write_pos[b]
+    too) → out [B, Hq, S, D]; slots[b] < 0: a prompt that only fills the launch up, nothing stored. Grid as
+    decode_attention's."""
+    _causal_rows(q, k_cache, v_cache, write_pos, slots, seq, max_seq, out, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_Q,
+                 BLOCK_S)
+
+
+@triton.jit
+def _causal_rows(q, k_cache, v_cache, write_pos, slots, seq, max_seq, out, Q_HEADS: tl.constexpr,
+                 KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+    """This program's (position, query head) rows of batch row b at positions write_pos[b] + s, over the keys
+    0..position of cache row slots[b] (slots None: row b, the plugin form's code as it was without slots). The key
+    blocks start at key 0 whatever the rows, so a row's result is the same in any launch that holds the same keys
+    before it."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     G: tl.constexpr = Q_HEADS // KV_HEADS
     r = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     valid = r < seq * G
+    row = b
+    if slots is not None:
+        row = tl.load(slots + b)
+        valid = valid & ((r * 0 + row) >= 0)  # as a tensor: the interpreter mishandles scalar masks
+        row = tl.maximum(row, 0)  # without a slot key 0 of row 0 is read, and nothing stored
     s = r // G
     head = g * G + r % G
     q_pos = tl.where(valid, tl.load(write_pos + b) + s, 0)
     d = tl.arange(0, HEAD_DIM)
     rows = ((b * Q_HEADS + head) * seq + s) * HEAD_DIM
     q_tile = tl.load(q + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    cache = (b * KV_HEADS + g) * max_seq * HEAD_DIM
+    cache = (row * KV_HEADS + g) * max_seq * HEAD_DIM
     stop = tl.minimum(tl.max(q_pos, axis=0) + 1, max_seq)
     acc, m, l = _attend(q_tile, k_cache + cache, v_cache + cache, 0, stop, q_pos, HEAD_DIM, BLOCK_S)
     tl.store(out + rows[:, None] + d[None, :], (acc / l[:, None]).to(tl.bfloat16), mask=valid[:, None])

@@ -3,8 +3,9 @@
 rope_kv_write (the TensorRT plugin's kernel): per (batch row, position), for all heads, NeoX half-split RoPE with the
 bf16 cos/sin table at position write_pos[b] + s, in fp32 with one rounding to bf16: q heads go to q_out, k heads are
 written into the key cache at that position and v rows into the value cache (in place; rows at or past max_seq are
-dropped). qk_norm_rope_kv_write is the GPU engine's form for a prefill: it reads the fused q|k|v projection rows and
-applies the per-head q/k RMSNorm first (a decode step does the same inside attention.decode_attention_split)."""
+dropped). qk_norm_rope_kv_write is the GPU engine's form for a prefill: it reads the fused q|k|v projection rows,
+applies the per-head q/k RMSNorm first (a decode step does the same inside attention.decode_attention_split) and
+writes each prompt's keys and values straight into its slot's cache rows."""
 
 import triton
 import triton.language as tl
@@ -65,10 +66,13 @@ def rope_kv_write(q, k, v, cos, sin, write_pos, k_cache_in, v_cache_in,
 
 
 @triton.jit
-def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, q_out, k_cache, v_cache, seq, max_seq, eps,
-                          Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
+def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, slots, q_out, k_cache, v_cache, seq, max_seq,
+                          eps, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """One program per (batch row, new position). qkv [B·S, (Hq + 2·Hkv)·D] is the fused projection's output;
-    q_out [B·S, Hq·D] gets q normalised and rotated; k (normalised, rotated) and v go into the caches."""
+    q_out [B·S, Hq·D] gets q normalised and rotated; k (normalised, rotated) and v go into cache row slots[b] of the
+    caches [rows, Hkv, max_seq, D] at position write_pos[b] + s (slots[b] < 0: nowhere, a prompt that only fills a
+    launch up)."""
     await_inputs(PDL)
     bs = tl.program_id(0)
     b = bs // seq
@@ -76,6 +80,7 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, q_out, k_cac
     D: tl.constexpr = 2 * HALF
     ROW: tl.constexpr = (Q_HEADS + 2 * KV_HEADS) * D
     pos = tl.load(write_pos + b) + s
+    slot = tl.load(slots + b)
     d = tl.arange(0, HALF)[None, :]
     inside = (d * 0 + pos) < max_seq
     c = tl.load(cos + pos * HALF + d, mask=inside, other=0.0).to(tl.float32)
@@ -92,8 +97,8 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, q_out, k_cac
 
     hk = tl.arange(0, triton.next_power_of_2(KV_HEADS))[:, None]
     heads = hk < KV_HEADS
-    keep = heads & inside
-    dst = ((b * KV_HEADS + hk) * max_seq + pos) * D
+    keep = heads & inside & ((d * 0 + slot) >= 0)
+    dst = ((tl.maximum(slot, 0) * KV_HEADS + hk) * max_seq + pos) * D
     k_src = src + Q_HEADS * D + hk * D
     x1, x2 = head_norm(tl.load(k_src + d, mask=heads, other=0.0).to(tl.float32),
                         tl.load(k_src + HALF + d, mask=heads, other=0.0).to(tl.float32), k_norm, eps, d, HALF)

@@ -124,8 +124,8 @@ def test_decode_attention_at_higgs_dimensions():
     # attention starts from it, so that the bounds below measure attention, not q's roundings
     q_chain = torch.empty(b, HQ * D, device="cuda").bfloat16()
     rope.qk_norm_rope_kv_write[(b,)](
-        cuda["qkv"], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], cuda["pos"], q_chain, cuda["kc"].clone(),
-        cuda["vc"].clone(), 1, S_MAX, 1e-6, Q_HEADS=HQ, KV_HEADS=HKV, HALF=D // 2)
+        cuda["qkv"], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], cuda["pos"], torch.arange(b, device="cuda"),
+        q_chain, cuda["kc"].clone(), cuda["vc"].clone(), 1, S_MAX, 1e-6, Q_HEADS=HQ, KV_HEADS=HKV, HALF=D // 2)
     q_chain = q_chain.cpu().view(b, HQ, D)
     for i, n in enumerate(lengths):
         kb = k_ref[i]
@@ -367,6 +367,136 @@ def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature,
     assert np.array_equal(np.stack(solo.utterance.rows), np.stack(group[3].utterance.rows))
     for request, other in zip(group[:3] + group[4:], others):  # and each of the others as when they joined together
         assert np.array_equal(np.stack(request.utterance.rows), np.stack(other.utterance.rows))
+
+
+def cloned_prompts(ckpt_dir, texts, frames, transcript, seed=0):
+    """Prompts for `texts` in one random voice of `frames` frames with its transcript."""
+    from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+
+    tok = HiggsTokenizer(ckpt_dir / "tokenizer.json")
+    voice = np.random.default_rng(seed).integers(0, 1024, (frames, 8)).astype(np.int32)
+    return [build_prompt(tok, t, voice, transcript) for t in texts]
+
+
+class RecordedGraph:
+    """A captured graph whose replays are listed in `replayed` by key."""
+
+    def __init__(self, key, graph, replayed):
+        self.key, self.graph, self.replayed = key, graph, replayed
+
+    def replay(self):
+        self.replayed.append(self.key)
+        self.graph.replay()
+
+
+@pytest.mark.parametrize("temperature, precision", [(0.0, "bf16"), (1.0, "bf16"), (0.0, "fp8")])
+def test_the_prefix_cache_changes_no_code_and_a_hit_prefills_only_the_text(tiny, temperature, precision):
+    """The reference prefix cache on the GPU, with graphs. The reference part's keys and values prefilled alone equal
+    those inside the whole prompt (the GPU's kernels, whose tiles differ from the interpreter's). A cloned voice's
+    request decodes the same codes with the cache off, cold (a miss: the whole prompt's graph) and warm (a hit: the
+    graph of the rows past the reference part, and no compile), and joining mid-flight a batch of 7 whose requests
+    are in that voice (hits) or zero-shot."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.torch_backend import bf16_reference
+    from higgs_trt.calibration.calibrate import calibrate
+    from higgs_trt.runtime.decoding import Sampling
+    from higgs_trt.runtime.prompt import Prompt
+    from higgs_trt.runtime.scheduler import Scheduler, request_for
+
+    amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
+    engine = open_engine(tiny, amax=amax)
+    texts = ["Hello there, how are you doing today?", "She sells sea shells.", "Numbers: one, two, three.",
+             "Wait... what? No way!", "A journey of a thousand miles.", "It was 3:45 pm.", "Text to speech.",
+             "Can you call me back?"]
+    cloned = cloned_prompts(tiny, texts[:5], 40, "Words of the reference.")
+    ps = cloned + prompts(tiny, texts[5:])
+    n = cloned[0].prefix
+    assert len(ps[0]) <= engine.max_prompt and all(p.prefix_key == cloned[0].prefix_key for p in cloned)
+    sampling = [Sampling(temperature, top_k=50 if temperature else 0, top_p=0.95 if temperature else 1.0, seed=i)
+                for i in range(len(ps))]
+
+    engine.prefixes.entries = 0
+    part = Prompt(ps[0].input_ids[:n], ps[0].audio_rows[:n], ps[0].is_audio[:n], 0)
+    engine.prefill([(0, ps[0], Sampling())])
+    engine.prefill([(1, part, Sampling())])
+    torch.cuda.synchronize()
+    assert torch.equal(engine.caches[:, :, 0, :, :n], engine.caches[:, :, 1, :, :n])
+    engine.rows()
+    engine.release(0)
+    engine.release(1)
+
+    replayed = []
+    for key in [key for key in engine.graphs if key[0] == "prompt"]:
+        engine.graphs[key] = RecordedGraph(key, engine.graphs[key], replayed)
+
+    def bucket(rows):
+        return next(b for b in engine.prompt_buckets if b >= rows)
+
+    def alone(entries):
+        engine.prefixes.entries = entries
+        scheduler = Scheduler(engine)
+        request = scheduler.submit(request_for(engine, ps[0], sampling[0], hard_cap=120))
+        scheduler.run()
+        return np.stack(request.utterance.rows)
+
+    off = alone(0)
+    assert not engine.prefixes.kept and replayed[-1] == ("prompt", 1, bucket(len(ps[0])))
+    cold = alone(4)
+    assert len(engine.prefixes.kept) == 1 and engine.prefixes.hits == 0
+    before = compiled_variants()
+    warm = alone(4)
+    assert engine.prefixes.hits == 1 and replayed[-1] == ("prompt", 1, bucket(len(ps[0]) - n))
+    assert np.array_equal(off, cold) and np.array_equal(off, warm)
+
+    mixed = Scheduler(engine)
+    others = [mixed.submit(request_for(engine, p, s, hard_cap=120)) for p, s in zip(ps[1:], sampling[1:])]
+    for _ in range(7):  # the batch is mid-flight when the request joins
+        mixed.step()
+    joined = mixed.submit(request_for(engine, ps[0], sampling[0], hard_cap=120))
+    mixed.run()
+    torch.cuda.synchronize()
+    assert compiled_variants() == before
+    assert engine.prefixes.hits == 1 + 4 + 1 and np.array_equal(off, np.stack(joined.utterance.rows))
+    assert all(r.finished for r in others)
+
+
+@pytest.mark.slow
+def test_a_hit_prefills_a_10_s_voice_faster_than_the_whole_prompt(tmp_path_factory):
+    """At the mid checkpoint's width, a prompt in a voice of 10 s (250 frames and a transcript: ~300 of its rows):
+    a hit's prefill (the entry copied into the slot, then the graph of the text's rows) takes less time than the whole
+    prompt's (the cache off), and the miss that keeps the entry costs the whole prompt and a copy."""
+    import time
+
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.tiny import write_random_checkpoint
+    from higgs_trt.runtime.decoding import Sampling
+    from higgs_trt.runtime.gpu.engine import load_gpu_engine
+
+    mid = write_random_checkpoint(tmp_path_factory.mktemp("mid") / "ckpt", seed=0, size="mid")
+    engine = load_gpu_engine(Checkpoint(mid), max_seq=640, max_batch=1, max_prompt=384)
+    prompt = cloned_prompts(mid, ["A sentence to speak in the cloned voice."], 250,
+                            "Ten seconds of words spoken in the reference voice, more or less.")[0]
+    assert len(prompt) <= engine.max_prompt
+
+    def seconds(entries, times=5):
+        engine.prefixes.entries = entries
+        spent = []
+        for _ in range(times):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.prefill([(0, prompt, Sampling())])
+            torch.cuda.synchronize()
+            spent.append(time.perf_counter() - t0)
+            engine.rows()
+            engine.release(0)
+        return sorted(spent)[times // 2]
+
+    whole = seconds(0)
+    miss = seconds(4, times=1)
+    hit = seconds(4)
+    print(f"prefill of {len(prompt)} rows ({prompt.prefix} of them the reference part): whole {whole * 1e3:.2f} ms, "
+          f"miss {miss * 1e3:.2f} ms, hit {hit * 1e3:.2f} ms")
+    assert engine.prefixes.hits == 5 and hit < whole
 
 
 def compiled_variants():

@@ -289,21 +289,23 @@ assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref
 
 
 def test_qk_norm_rope_kv_write_matches_the_reference():
+    """Each prompt's q, and its keys and values written into its own cache row (slot) at its positions; a prompt of
+    slot -1 (one filling a launch up) writes nothing."""
     run("""
 from higgs_trt.runtime.config import HiggsConfig
 from higgs_trt.builder.model import RMSNorm
 from higgs_trt.plugins.rope_table import rope_table
 from torch.onnx import ops as onnx_ops
-Hq, Hkv, D, S, SM, B = 4, 2, 16, 3, 32, 2
+Hq, Hkv, D, S, SM, B = 4, 2, 16, 3, 32, 3
 cfg = HiggsConfig(64, 1, Hq, Hkv, D, 128, 100, 1e-6, 1e6, 32768)
 cos, sin = rope_table(cfg, SM, torch.bfloat16)
 qkv = torch.randn(B * S, (Hq + 2 * Hkv) * D).bfloat16()
 qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
 qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1 * torch.randn(D)).bfloat16()
-wp = torch.tensor([0, SM - S])
-kc, vc = torch.randn(B, Hkv, SM, D).bfloat16(), torch.randn(B, Hkv, SM, D).bfloat16()
+wp, slots = torch.tensor([0, SM - S, 5]), torch.tensor([1, 0, -1])
+kc, vc = torch.randn(2, Hkv, SM, D).bfloat16(), torch.randn(2, Hkv, SM, D).bfloat16()
 kc2, vc2, q_out = kc.clone(), vc.clone(), torch.empty(B * S, Hq * D).bfloat16()
-rope.qk_norm_rope_kv_write[(B * S,)](qkv, qn.weight, kn.weight, cos, sin, wp, q_out, kc2, vc2, S, SM, 1e-6,
+rope.qk_norm_rope_kv_write[(B * S,)](qkv, qn.weight, kn.weight, cos, sin, wp, slots, q_out, kc2, vc2, S, SM, 1e-6,
                                         Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
 x = qkv.view(B, S, -1)
 q = qn(x[..., :Hq * D].reshape(B, S, Hq, D)).transpose(1, 2)
@@ -316,14 +318,16 @@ ulp = lambda t: t.abs().clamp(min=2 ** -20) * 2 ** -8  # half of one: a rounding
 got_q = q_out.view(B, S, Hq, D).transpose(1, 2).float()
 bound = 4 * ulp(q_ref.abs() + torch.cat([q_ref[..., D // 2:], q_ref[..., :D // 2]], -1).abs())  # norm, then rotation
 assert ((got_q - q_ref).abs() <= bound).all(), float((got_q - q_ref).abs().max())
-for b in range(B):
-    got_k = kc2[b, :, wp[b]:wp[b] + S].float()
+for b in range(2):
+    row = int(slots[b])
+    got_k = kc2[row, :, wp[b]:wp[b] + S].float()
     kb = k_ref[b]
     assert ((got_k - kb).abs() <= 4 * ulp(kb.abs() + torch.cat([kb[..., D // 2:], kb[..., :D // 2]], -1).abs())).all()
-    assert torch.equal(vc2[b, :, wp[b]:wp[b] + S], v[b])
+    assert torch.equal(vc2[row, :, wp[b]:wp[b] + S], v[b])
     untouched = torch.ones(SM, dtype=torch.bool)
     untouched[wp[b]:wp[b] + S] = False
-    assert torch.equal(kc2[b, :, untouched], kc[b, :, untouched])
+    assert torch.equal(kc2[row, :, untouched], kc[row, :, untouched])
+    assert torch.equal(vc2[row, :, untouched], vc[row, :, untouched])
 """)
 
 
@@ -390,8 +394,8 @@ assert torch.equal(kc3.view(torch.int16), kc2.view(torch.int16)) and torch.equal
 # the reference starts from q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested above), over the
 # keys as written: the bound measures attention, not q's roundings
 q_chain = torch.empty(B, Hq * D).bfloat16()
-rope.qk_norm_rope_kv_write[(B,)](qkv, qn, kn, cos, sin, pos, q_chain, kc.clone(), vc.clone(), 1, SM,
-                                    1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
+rope.qk_norm_rope_kv_write[(B,)](qkv, qn, kn, cos, sin, pos, torch.arange(B), q_chain, kc.clone(), vc.clone(), 1,
+                                    SM, 1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
 ref = reference(q_chain.view(B, Hq, D), kc2, vc2, lengths)
 assert ((got.float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all(), float((got.float() - ref).abs().max())
 codes = attend(everyone, fp8_scale=0.004)[0]
@@ -416,6 +420,38 @@ attention.decode_attention[(B, Hkv, -(-S * (Hq // Hkv) // 16))](scaled, kc, vc, 
 for s in range(S):
     ref = reference(q[:, :, s], kc, vc, (wp + s + 1).tolist())
     assert ((out[:, :, s].float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all()
+""")
+
+
+def test_prompt_attention_from_any_start_equals_the_whole_prompt():
+    """The prefill's attention (a prompt's rows over its own slot's keys): the plugin form's numbers for the same
+    cache rows; the rows from position 17 on, attended in a launch that starts there (over keys 0..16 already in the
+    slot, as a prefix cache hit has them), bit for bit the rows of the launch from position 0, although the tiles of
+    16 (position, head) rows and the key blocks they stop at are cut elsewhere; a prompt of slot -1 computes
+    nothing."""
+    run(ATTENTION + """
+L, start = 40, 17
+kc, vc = torch.randn(3, Hkv, SM, D).bfloat16(), torch.randn(3, Hkv, SM, D).bfloat16()
+q = (torch.randn(1, Hq, L, D) * D ** -0.5).bfloat16()
+
+def attend(q, starts, slots):
+    b, s = len(slots), q.shape[2]
+    out = torch.full((b, Hq, s, D), float("nan")).bfloat16()
+    attention.prompt_attention[(b, Hkv, -(-s * (Hq // Hkv) // 16))](
+        q, kc, vc, torch.tensor(starts), torch.tensor(slots), s, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D,
+        BLOCK_Q=16, BLOCK_S=16)
+    return out
+
+whole = attend(q, [0], [2])
+plugin = torch.full((1, Hq, L, D), float("nan")).bfloat16()
+attention.decode_attention[(1, Hkv, -(-L * (Hq // Hkv) // 16))](q, kc[2:], vc[2:], torch.tensor([0]), L, SM, plugin,
+                                                               Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_Q=16,
+                                                               BLOCK_S=16)
+assert torch.equal(whole, plugin)
+rest = torch.cat([q[:, :, start:], torch.randn(1, Hq, L - start, D).bfloat16()])  # a second prompt filling up
+got = attend(rest, [start, 0], [2, -1])
+assert torch.equal(got[0], whole[0, :, start:])
+assert got[1].isnan().all()
 """)
 
 
@@ -479,18 +515,119 @@ for alone, slot, p in zip(solo, (2, 0, 1), ps):
 assert slot_runs([2, 0, 1, 5]) == [(0, 2, 1), (1, 0, 2), (3, 5, 1)]  # the slots' states go up run by run
 
 # a captured prefill graph pads the group to its count and length buckets: empty prompts and rows past each prompt
-# change nothing of the real prompts' keys, values and logits
+# change nothing of the real prompts' keys, values and logits, and the empty prompts write into no slot
 def staged(length, count):
     engine = GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False)
-    engine._stage_prompts(ps, length, count)
+    engine._stage_prompts([(slot, p, 0) for slot, p in zip((2, 0, 1), ps)], length, count)
     engine._prefill_padded(count, length)
     return engine
 longest = max(len(p) for p in ps)
 padded, exact = staged(64, 4), staged(longest, len(ps))
 assert torch.equal(padded.logits[:len(ps)], exact.logits[:len(ps)])
-for j, p in enumerate(ps):
+for slot, p in zip((2, 0, 1), ps):
     n = len(p)
-    assert torch.equal(padded._stage_view(4, 64)[:, :, j, :, :n], exact._stage_view(len(ps), longest)[:, :, j, :, :n])
+    assert torch.equal(padded.caches[:, :, slot, :, :n], exact.caches[:, :, slot, :, :n])
+assert not padded.caches[:, :, 3].any()
+""")
+
+
+def test_prefix_cache_changes_no_number_of_a_cloned_voice_alone_or_in_a_group(tiny_ckpt):
+    """The GPU engine's reference prefix cache on the CPU. A reference part's keys and values prefilled alone equal
+    those inside the whole prompt (what the cache rests on). A cloned voice's request with the cache off, cold (a
+    miss, in a group with a second voice that the 1-entry cache lets go first) and warm (a hit, in a group of joins
+    with a zero-shot prompt and another text in the same voice) starts from the same slot state — keys and values,
+    logits, first codes, next input, decode state — and decodes the same rows; the warm group's pass takes only the
+    rows past the reference part. The cached engine runs its prefills and steps as their captured graphs would (the
+    passes padded to the graphs' count and length buckets)."""
+    run(f"""
+from pathlib import Path
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.runtime.gpu.engine import GpuEngine
+from higgs_trt.runtime.config import lm_tensor_shapes
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.prompt import HiggsTokenizer, Prompt, build_prompt
+
+ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
+tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
+tok = HiggsTokenizer(ckpt.dir / "tokenizer.json")
+rng = np.random.default_rng(1)
+voice, second_voice = (rng.integers(0, 1024, (t, 8)).astype(np.int32) for t in (12, 6))
+cloned = build_prompt(tok, "The cache should not matter.", voice, "Some words.")
+other = build_prompt(tok, "Another sentence in that voice.", voice, "Some words.")
+second = build_prompt(tok, "A second voice.", second_voice)
+plain = build_prompt(tok, "Hi")
+n = cloned.prefix
+assert 0 < n < len(cloned) and other.prefix == n and other.prefix_key == cloned.prefix_key != second.prefix_key
+sampled = Sampling(temperature=1.0, top_k=20, seed=3)
+
+def engine(entries):
+    return GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False,
+                     prefix_entries=entries)
+
+def state(engine, slot, prompt, j):
+    # a slot's state after a prefill whose j-th prompt it was
+    return ([engine.caches[:, :, slot, :, :len(prompt)].clone(), engine.logits[j].clone(), engine.codes[slot].clone(),
+             engine.h[slot].clone()] + [t[slot].clone() for t in engine.states])
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+off = engine(0)
+off.prefill([(1, cloned, sampled)])
+alone = state(off, 1, cloned, 0)
+assert off.prefixes.misses == 1 and not off.prefixes.kept
+off.prefill([(0, Prompt(cloned.input_ids[:n], cloned.audio_rows[:n], cloned.is_audio[:n], 0), Sampling())])
+assert torch.equal(off.caches[:, :, 0, :, :n], off.caches[:, :, 1, :, :n])
+
+cached = engine(1)
+replayed = []
+
+class Replayed:
+    # what a captured graph does on the GPU: its shape's launches over whatever is staged
+    def __init__(self, launch, shape):
+        self.launch, self.shape = launch, shape
+
+    def replay(self):
+        replayed.append(self.shape)
+        self.launch()
+
+for length in cached.prompt_buckets:
+    for count in (c for c in cached.buckets if c * length <= cached.pass_rows):
+        cached.graphs["prompt", count, length] = Replayed(lambda c=count, l=length: cached._prefill_padded(c, l),
+                                                          (count, length))
+        cached.prompt_counts[length] = count
+for b in cached.buckets:
+    for parity in (0, 1):
+        cached.graphs[b, parity, 1] = Replayed(lambda b=b, p=parity: cached._decode_rows(b, 1, p), b)
+
+def bucket(rows):
+    return next(b for b in cached.prompt_buckets if b >= rows)
+
+cached.prefill([(0, second, Sampling()), (1, cloned, sampled), (2, other, Sampling())])
+assert (cached.prefixes.hits, cached.prefixes.misses) == (0, 3) and list(cached.prefixes.kept) == [cloned.prefix_key]
+assert replayed == [(4, bucket(len(other)))]
+assert same(state(cached, 1, cloned, 1), alone)
+cold_other = state(cached, 2, other, 2)
+kept = cached.prefixes.kept[cloned.prefix_key]
+cfg = ckpt.config
+assert kept.shape == (cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim) and kept.dtype == torch.bfloat16
+
+cached.prefill([(3, plain, Sampling()), (0, other, Sampling()), (1, cloned, sampled)])
+assert (cached.prefixes.hits, cached.prefixes.misses) == (2, 3)
+assert replayed[-1] == (4, bucket(max(len(plain), len(other) - n))) and replayed[-1][1] < bucket(len(other))
+assert same(state(cached, 1, cloned, 2), alone) and same(state(cached, 0, other, 1), cold_other)
+
+def decoded(engine, n):
+    # each live slot's rows not read yet (its first row, then two steps')
+    for _ in range(2):
+        engine.step(n)
+    rows = {{}}
+    for slot, codes in engine.rows():
+        rows.setdefault(slot, []).append(codes)
+    return rows
+
+with_cache, without = decoded(cached, 4), decoded(off, 2)
+assert len(without[1]) == 3 and with_cache[1] == without[1] and with_cache[0] == with_cache[2]
 """)
 
 

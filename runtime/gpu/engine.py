@@ -21,10 +21,10 @@ which is slower than BF16 at decode sizes). Activations are quantized once, by
 the kernel that produces them (the norms, decode attention, gate|up; in a prefill, quantize_rows after attention).
 The audio table stays bf16.
 
-Prefill takes the requests that join together, padded to the longest: their rows go through the same linear kernel
-at once, summed in one K order for any number of rows (the prefill tiles'), so a row's numbers never depend on the
-other requests, and one decode_attention launch per layer attends each row to its own prompt's keys 0..row. One
-prompt alone replays the captured graph of its length bucket.
+Prefill (prefill.py) takes the requests that join together, padded to the longest: their rows go through the same
+linear kernel at once, summed in one K order for any number of rows (the prefill tiles'), so a row's numbers never
+depend on the other requests, and each row attends to its own slot's keys 0..row. A voice's reference part comes
+from the prefix cache where it is kept, and the prefill then takes only the rows after it.
 
 Batch buckets, prefill passes and decode attention's settings: launches.py; the codec's graphs: codec_graphs.py.
 """
@@ -34,30 +34,31 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from higgs_trt.plugins import attention, codebook, engine_kernels, rope
+from higgs_trt.plugins import attention, codebook, engine_kernels
 from higgs_trt.plugins.fp8 import FP8_CODES, fake_quantize_weight
 from higgs_trt.plugins.rope_table import rope_table
 from higgs_trt.runtime import extras
 from higgs_trt.runtime.config import AUDIO_TABLE, TEXT_EMBEDDING, HiggsConfig, lm_tensor_shapes
 from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime.generate import NO_END
+from higgs_trt.runtime.prefix_cache import DEFAULT_ENTRIES
 from higgs_trt.runtime.prompt import Prompt
 from higgs_trt.runtime.slots import Decoded, SlotEngine
 from higgs_trt.runtime.streaming import StreamPlan
 
 from .codec_graphs import CodecGraphs, PendingAudio
 from .launches import (ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_LATE_LAUNCH_BUCKETS, ATTENTION_PREFETCH_ROWS,
-                       ATTENTION_TMA_BUCKETS, ATTENTION_WARPS, BUCKETS, PREFILL_PROMPTS, PROMPT_BUCKETS, PROMPT_Q_BLOCK,
-                       STEP_ROWS, Workspace, attention_stages, attention_tma, bucket_table, prefill_passes, slot_runs)
+                       ATTENTION_TMA_BUCKETS, ATTENTION_WARPS, BUCKETS, PREFILL_PROMPTS, STEP_ROWS, Workspace,
+                       attention_stages, attention_tma, bucket_table, prefill_passes, slot_runs)
 from .linear import Layer, Linear
+from .prefill import Prefill
 from .weights import WeightSource
 
 _claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
 
 
-class GpuEngine(SlotEngine):
+class GpuEngine(Prefill, SlotEngine):
     """Slots × (KV cache + decode state) on one CUDA device; see the module docstring."""
 
     name = "torch-cuda"
@@ -65,7 +66,7 @@ class GpuEngine(SlotEngine):
 
     def __init__(self, cfg: HiggsConfig, tensors: dict, *, max_seq: int, max_batch: int, max_prompt: int,
                  act_amax: dict | None = None, codec=None, device: str = "cuda", graphs: bool = True,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, prefix_entries: int = DEFAULT_ENTRIES):
         self.cfg, self.max_seq, self.max_batch, self.max_prompt = cfg, max_seq, max_batch, max_prompt
         self.device = torch.device(device)
         self.precision = "fp8" if act_amax else "bf16"
@@ -116,7 +117,6 @@ class GpuEngine(SlotEngine):
         self.top_k = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(max_batch, **i64)
-        self.prompt_start = torch.zeros(max_batch, **i64)  # a prefill's rope starts at position 0
         n_max = max(lin.n for lin in (self.layers[0].qkv, self.layers[0].gate_up, self.head))
         if pdl is None:  # Hopper on (griddepcontrol); launched without it, the kernels' waits are no-ops
             pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
@@ -141,23 +141,13 @@ class GpuEngine(SlotEngine):
         self.prefill_seconds = 0.0
         self.parity = 0
         self.graphs: dict = {}
-        self.prompt_counts: dict[int, int] = {}  # length bucket → the most prompts a captured prefill graph holds
-        # prefill input: the prompts padded with text token 0 to one length (causal attention keeps the padding out
-        # of the prompt's rows), one after another; the keys and values go to a stage, then into their slots
-        self.prompt_buckets = sorted({min(b, max_prompt) for b in PROMPT_BUCKETS})
-        self.prompt_in = torch.zeros(rows, 2 + NUM_CODEBOOKS, dtype=torch.int64, device=dev)  # id, audio row, flag
-        self.prompt_last = torch.zeros(max_batch, **i64)
-        self.host_prompt = torch.zeros(self.prompt_in.shape, dtype=torch.int64, pin_memory=pinned)
-        self.host_last = torch.zeros(max_batch, dtype=torch.int64, pin_memory=pinned)
-        self.prompt_copied = torch.cuda.Event() if pinned else None
+        self._prefill_buffers(rows, pinned, prefix_entries)
         # a starting slot's decode state, written on the host and copied up (GpuEngine._start)
         self.states = (self.write_pos, self.row_index, self.end_frame, self.active, self.temperature, self.top_k,
                        self.top_p, self.seed)
         self.host_state_tensors = [torch.zeros(max_batch, dtype=t.dtype, pin_memory=pinned) for t in self.states]
         self.host_states = [t.numpy() for t in self.host_state_tensors]
         self.states_copied = torch.cuda.Event() if pinned else None
-        self.prompt_h = torch.zeros(rows, h, **bf16)
-        self.stage = torch.zeros(cfg.num_layers, 2, rows * hkv * d, **bf16)
         if graphs and dev.type == "cuda":
             self._capture_all()
             if codec is not None:
@@ -251,18 +241,7 @@ class GpuEngine(SlotEngine):
                         with torch.cuda.graph(graph, stream=self.stream):
                             self._decode_rows(n, rows, parity)
                         self.graphs[n, parity, rows] = graph
-            # a group of prompts prefills from the graph of its count and length buckets, where it fits a pass: joins
-            # spread over time (a server's) come in many small groups, each far cheaper replayed than issued eagerly.
-            # The graphs share one pool: they run one after another on this stream.
-            pool = torch.cuda.graph_pool_handle()
-            for length in self.prompt_buckets:
-                for count in (b for b in self.buckets if b * length <= self.pass_rows):
-                    self._prefill_padded(count, length)  # warm-up (and Triton's compiles for these rows)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=self.stream, pool=pool):
-                        self._prefill_padded(count, length)
-                    self.graphs["prompt", count, length] = graph
-                    self.prompt_counts[length] = count
+            self._capture_prefills()
         self.caches.zero_()
 
     # ---- the scheduler's contract (runtime/scheduler.py) -----------------------------------------------------------
@@ -275,104 +254,21 @@ class GpuEngine(SlotEngine):
 
     @torch.inference_mode()
     def prefill(self, joins: list[tuple[int, Prompt, Sampling]]) -> None:
-        """Fill each join's slot from its prompt and choose its row 0 on the device. The prompts' rows go through
-        the GEMMs together (one K order for any number of rows, so a row's result does not depend on the others) and
-        each row attends to its own prompt's keys: a request prefills to the same state alone or with others."""
+        """Fill each join's slot from its prompt and choose its row 0 on the device, in passes of several prompts,
+        each one from past its reference part where the prefix cache holds that (prefill.py): a request prefills to
+        the same state alone or with others, from the cache or not."""
         t0 = time.perf_counter()
         for _, prompt, _ in joins:
             if len(prompt) > self.max_prompt:
                 raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prompt {self.max_prompt}")
-        start = 0
-        for count in prefill_passes([len(prompt) for _, prompt, _ in joins], self.pass_rows, self.prompt_counts):
-            self._prefill_group(joins[start:start + count])
-            start += count
-        self.prefill_seconds += time.perf_counter() - t0
-
-    def _prefill_group(self, group: list[tuple[int, Prompt, Sampling]]) -> None:
-        g, longest = len(group), max(len(prompt) for _, prompt, _ in group)
-        bucket = next((b for b in self.prompt_buckets if b >= longest), None)
-        graph = self.graphs.get(("prompt", self.bucket_of[g], bucket))
-        count, length = (self.bucket_of[g], bucket) if graph is not None else (g, longest)
         self._claim_stream()
-        self._stage_prompts([prompt for _, prompt, _ in group], length, count)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._prefill_padded(g, length)
-        stage = self._stage_view(g, length)
-        for j, slot, run in slot_runs([slot for slot, _, _ in group]):
-            # the padding rows past a prompt go along: a slot's keys past its position are never read before a
-            # decode step writes them (as a reused slot's keys of its previous request)
-            self.caches[:, :, slot:slot + run, :, :length].copy_(stage[:, :, j:j + run])
-        self._start([(slot, len(prompt), sampling) for slot, prompt, sampling in group])
-        self._record("first", [slot for slot, _, _ in group])
-
-    def _stage_prompts(self, prompts: list[Prompt], length: int, count: int) -> None:
-        """Prefill input: each prompt padded with text token 0 to `length` rows, one after another, then empty
-        prompts up to `count` (a graph's count bucket: their rows are computed and never read), and the index of each
-        one's last row."""
-        if self.prompt_copied is not None:
-            self.prompt_copied.synchronize()  # the previous prefill's copies have left the pinned buffers
-        host, last = self.host_prompt.numpy(), self.host_last.numpy()
-        rows = count * length
-        host[:rows] = 0
-        last[:count] = np.arange(count) * length
-        for j, prompt in enumerate(prompts):
-            r, n = j * length, len(prompt)
-            host[r:r + n, 0], host[r:r + n, -1] = prompt.input_ids, prompt.is_audio
-            host[r:r + n, 1:-1] = prompt.audio_rows
-            last[j] = r + n - 1
-        self.prompt_in[:rows].copy_(self.host_prompt[:rows], non_blocking=True)
-        self.prompt_last[:count].copy_(self.host_last[:count], non_blocking=True)
-        if self.prompt_copied is not None:
-            self.prompt_copied.record()
-
-    def _stage_view(self, g: int, length: int) -> torch.Tensor:
-        """The stage as [layer, key/value, prompt, Hkv, length, D]."""
-        cfg = self.cfg
-        return self.stage[:, :, :g * cfg.num_kv_heads * length * cfg.head_dim].view(
-            cfg.num_layers, 2, g, cfg.num_kv_heads, length, cfg.head_dim)
-
-    def _prefill_padded(self, g: int, length: int) -> None:
-        """g staged prompts of `length` rows through every layer (rows of different prompts share each GEMM, whose K
-        order does not depend on the rows, so a row's numbers depend neither on the others nor on the padding), their
-        keys and values into the stage, the logits of each one's last row into logits[:g]. Captured for each count
-        and length bucket that fits a pass (_capture_all)."""
-        cfg, ws = self.cfg, self.workspace
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        p = g * length
-        inp, h = self.prompt_in[:p], self.prompt_h[:p]
-        qkv, q, attn, act = self.qkv_out[:p], self.q[:p], self.attn[:p], self.act[:p]
-        text = F.embedding(inp[:, 0], self.text_table)
-        ref = F.embedding(inp[:, 1:-1] + self.offsets, self.table).float().sum(1).to(torch.bfloat16)
-        h.copy_(torch.where(inp[:, -1:] != 0, ref, text))
-        stage = self._stage_view(g, length)
-        heads = self.heads[:p].view(g, hq, length, d)
-        for i, layer in enumerate(self.layers):
-            x = self._norm(h, layer.input_norm, p, layer.qkv)
-            layer.qkv(x, qkv, p, ws, prefill=True)
-            k_stage, v_stage = stage[i, 0], stage[i, 1]
-            rope.qk_norm_rope_kv_write[(p,)](
-                qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, self.prompt_start, q, k_stage, v_stage, length,
-                length, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2, **self._launch())
-            # causal attention over each prompt's own keys only (decode_attention reads keys 0..row of each row, so a
-            # row's result depends neither on the padding nor on the other prompts): q scaled as decode scales it,
-            # heads first, at the graph's bf16 scale; the output goes through q's buffer (q is spent) back to rows first
-            heads.copy_(q.view(g, length, hq, d).transpose(1, 2).float() * self.q_scale)
-            out = q.view(g, hq, length, d)
-            attention.decode_attention[(g, hkv, -(-length * (hq // hkv) // PROMPT_Q_BLOCK))](
-                heads, k_stage, v_stage, self.prompt_start, length, length, out, Q_HEADS=hq, KV_HEADS=hkv,
-                HEAD_DIM=d, BLOCK_Q=PROMPT_Q_BLOCK, BLOCK_S=ATTENTION_BLOCK)
-            attn.view(g, length, hq, d).copy_(out.transpose(1, 2))
-            if layer.o.fp8:
-                engine_kernels.quantize_rows[(p, -(-hq * d // 1024))](attn, self.attn8, layer.o.x_scale, N=hq * d,
-                                                                   BLOCK=1024, **self._launch())
-            layer.o(self.attn8[:p] if layer.o.fp8 else attn, h, p, ws, residual=True, prefill=True)
-            x = self._norm(h, layer.post_norm, p, layer.gate_up)
-            layer.gate_up(x, act, p, ws, out_scale=layer.down.x_scale, prefill=True)
-            layer.down(act, h, p, ws, residual=True, prefill=True)
-        x = self._norm(h.index_select(0, self.prompt_last[:g]), self.final_norm, g)
-        self.head(x, self.logits[:g], g, ws)
+        starts = [self._cached_reference(slot, prompt) for slot, prompt, _ in joins]
+        rests = [len(prompt) - start for (_, prompt, _), start in zip(joins, starts)]
+        first = 0
+        for count in prefill_passes(rests, self.pass_rows, self.prompt_counts):
+            self._prefill_group(joins[first:first + count], starts[first:first + count])
+            first += count
+        self.prefill_seconds += time.perf_counter() - t0
 
     def _start(self, starts: list[tuple[int, int, Sampling]]) -> None:
         """Slots whose prompts are cached start decoding: (slot, prompt rows, sampling) of the j-th prompt of the pass
