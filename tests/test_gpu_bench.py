@@ -110,7 +110,8 @@ def test_profile_level_labels_the_loops_calls_and_puts_them_back(tiny_engine, mo
     seen = []
     monkeypatch.setattr(gpu_profile, "timeline_lines", lambda events: seen.extend(events) or ["no kernels"])
     said = []
-    figures = gpu_profile.profile_level(lambda: bench_stream(engine, prompt, 2, 2, 24, Sampling()), engine, said.append)
+    figures = gpu_profile.profile_level(lambda: bench_stream(engine, lambda: (prompt, None), 2, 2, 24, Sampling()), engine,
+                                          said.append)
     assert figures.line().startswith("concurrency   2:") and said == ["no kernels"]
     names = {e.get("name") for e in seen if e.get("cat") == "user_annotation"}
     assert {"@scheduler._admit", "@scheduler._decode", "@engine.step", "@engine.codec", "@engine.prefill"} <= names

@@ -3,6 +3,7 @@ loop's own host overhead per row. The GPU engine has its own, device-timed bench
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,13 +101,14 @@ class StreamFigures:
     codec_calls: int = 0
     codec_windows: int = 0
     server_ms: tuple | None = None  # bench serve, at the server: mean admission, then mean submission → first chunk
+    label: str = ""  # what the level ran, where a bench runs several kinds side by side
 
     def line(self) -> str:
         ttfa = np.array(self.ttfa_ms)
-        line = (f"concurrency {self.concurrency:>3}: {self.requests:>4} requests, {self.audio_s:7.1f} s of audio in "
-                f"{self.wall_s:6.2f} s = {self.audio_s / self.wall_s:7.1f} audio-s/s; first audio p50 "
-                f"{np.percentile(ttfa, 50):6.1f} ms, p95 {np.percentile(ttfa, 95):6.1f} ms, mean {ttfa.mean():6.1f} ms; "
-                f"underruns {self.underruns}")
+        line = (f"{self.label + ', ' if self.label else ''}concurrency {self.concurrency:>3}: {self.requests:>4} "
+                f"requests, {self.audio_s:7.1f} s of audio in {self.wall_s:6.2f} s = "
+                f"{self.audio_s / self.wall_s:7.1f} audio-s/s; first audio p50 {np.percentile(ttfa, 50):6.1f} ms, "
+                f"p95 {np.percentile(ttfa, 95):6.1f} ms, mean {ttfa.mean():6.1f} ms; underruns {self.underruns}")
         if self.queue_wait_ms is not None:
             line += f"; queue wait mean {self.queue_wait_ms:.1f} ms"
         if self.server_ms is not None:
@@ -119,13 +121,25 @@ class StreamFigures:
         return line
 
 
-def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: int, sampling: Sampling,
-                 plan=None, stagger: bool = False) -> StreamFigures:
+def underruns(arrivals: list[tuple[float, int]], per_second: int = 24000) -> int:
+    """Chunks (arrival time, samples or bytes: `per_second` of them a second) that arrived after the audio sent
+    before them had finished playing, the clock starting at the first chunk's arrival."""
+    late, played = 0, 0
+    for i, (at, n) in enumerate(arrivals):
+        if i and at > arrivals[0][0] + played / per_second:
+            late += 1
+        played += n
+    return late
+
+
+def bench_stream(engine, speech: Callable[[], tuple], concurrency: int, requests: int, rows: int, sampling: Sampling,
+                 plan=None, stagger: bool = False, label: str = "") -> StreamFigures:
     """Closed-loop clients: `concurrency` requests in flight, each finished one replaced by a new one, until
-    `requests` have finished. Every request decodes exactly `rows` rows (random weights repeat rows and emit EOC at
-    random: the stop rules are off here, so every level does the same work). All clients start at once, so their
-    requests end and join together; with `stagger` client i starts after about i·rows/concurrency loop steps, so
-    that requests end and join at different steps, as served traffic does."""
+    `requests` have finished. `speech()` gives a request's first prompt and the script of its later segments (None
+    for one segment). Every segment decodes exactly `rows` rows (random weights repeat rows and emit EOC at random:
+    the stop rules are off here, so every level does the same work). All clients start at once, so their requests
+    end and join together; with `stagger` client i starts after about i·rows/concurrency loop steps, so that requests
+    end and join at different steps, as served traffic does."""
     from higgs_trt.runtime.scheduler import Scheduler, request_for
 
     scheduler = Scheduler(engine, plan)
@@ -134,7 +148,8 @@ def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: 
 
     def submit():
         submitted[0] += 1
-        request = request_for(engine, prompt, sampling, hard_cap=rows, on_done=finished)
+        prompt, script = speech()
+        request = request_for(engine, prompt, sampling, hard_cap=rows, script=script, on_done=finished)
         request.fixed_rows = True
         request.on_chunk = lambda chunk, r=request: arrivals.setdefault(id(r), []).append((time.perf_counter(), len(chunk)))
         scheduler.submit(request)
@@ -156,16 +171,10 @@ def bench_stream(engine, prompt: Prompt, concurrency: int, requests: int, rows: 
             break
         steps += 1
     wall = time.perf_counter() - t0
-    underruns, audio = 0, 0
-    for r in done:
-        chunks = arrivals.get(id(r), [])
-        played = 0
-        for i, (at, n) in enumerate(chunks):
-            if i and at > chunks[0][0] + played / 24000:
-                underruns += 1
-            played += n
-        audio += played
+    late = sum(underruns(arrivals.get(id(r), [])) for r in done)
+    audio = sum(n for r in done for _, n in arrivals.get(id(r), []))
     ttfa = [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at]
     waits = [1e3 * (r.admitted_at - r.submitted_at) for r in done if r.admitted_at is not None]
-    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, underruns, dict(scheduler.seconds),
-                         float(np.mean(waits)) if waits else None, scheduler.codec_calls, scheduler.codec_windows)
+    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, late, dict(scheduler.seconds),
+                         float(np.mean(waits)) if waits else None, scheduler.codec_calls, scheduler.codec_windows,
+                         label=label)

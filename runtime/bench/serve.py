@@ -23,7 +23,7 @@ from higgs_trt.runtime.scheduler import PHASES
 from higgs_trt.runtime.server.speech_api import MODEL_ID
 from higgs_trt.runtime.wav import SAMPLE_RATE
 
-from .loop import StreamFigures
+from .loop import StreamFigures, underruns
 
 BYTES_PER_SECOND = 2 * SAMPLE_RATE  # pcm: s16le mono
 WAIT_REPORT_S = 30.0  # how often a wait for the server's /health says that it goes on
@@ -58,16 +58,10 @@ async def _level(url: str, concurrency: int, requests: int, body) -> tuple[Strea
         wall = time.perf_counter() - t0
     errors = [e for _, _, e in results if e]
     ttfa = [1e3 * t for t, _, e in results if t is not None and not e]
-    audio_bytes, underruns = 0, 0
-    for _, arrivals, _ in results:
-        played = 0
-        for i, (at, n) in enumerate(arrivals):
-            if i and at > arrivals[0][0] + played / BYTES_PER_SECOND:
-                underruns += 1
-            played += n
-        audio_bytes += played
+    audio_bytes = sum(n for _, arrivals, _ in results for _, n in arrivals)
+    late = sum(underruns(arrivals, BYTES_PER_SECOND) for _, arrivals, _ in results)
     return StreamFigures(concurrency, len(results) - len(errors), audio_bytes / BYTES_PER_SECOND, wall, ttfa or [0.0],
-                         underruns), errors
+                         late), errors
 
 
 LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls|codec_calls|codec_windows|'

@@ -103,28 +103,42 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
 @click.option("--ref-seconds", type=float, default=0.0, show_default=True,
               help="Voice-clone load: every prompt carries a reference of this many seconds (1 to 30; random codes, "
                    "25 frames a second) with --text as its transcript.")
+@click.option("--voice", "voices", is_flag=True,
+              help="Per level, side by side: the default voice, then a --ref-seconds voice (10 s unless given) with "
+                   "the reference prefix cache off, then on.")
+@click.option("--segments", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="Long-form: requests speak --text this many times over (one segment each, history carried), "
+                   "beside one-segment requests, per level.")
+@click.option("--text-rate", type=click.FloatRange(1, 100_000, min_open=False),
+              help="Text streamed in: --text × --segments (10 unless given) fed word by word at this many characters "
+                   "a second to one request; per segment, its last character → its first audio, beside one-shot "
+                   "requests of each segment alone.")
 @click.option("--timeline", is_flag=True,
               help="GPU engine: run each level once more under torch's profiler and say where its time went (the "
                    "decode stream's busy time, its idle gaps by the scheduler or engine call running when each began, "
                    "the codec stream's overlap).")
 @stream_plan_options
 def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, codec_precision, text,
-                 max_seq, rows, concurrency, requests, temperature, stagger, ref_seconds, timeline, first_chunk, chunk,
-                 context, holdback, first_holdback):
+                 max_seq, rows, concurrency, requests, temperature, stagger, ref_seconds, voices, segments, text_rate,
+                 timeline, first_chunk, chunk, context, holdback, first_holdback):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
-    seams unless the window options say otherwise)."""
+    seams unless the window options say otherwise). --voice, --segments and --text-rate put the figures a feature
+    must match beside the plain request's, measured in the same run."""
     from higgs_trt.runtime.audio import MAX_SECONDS, MIN_SECONDS
     from higgs_trt.runtime.bench.loop import bench_stream as run_stream
+    from higgs_trt.runtime.longform import Reference, plan_text
     from higgs_trt.runtime.options import sampling, sizes, within
-    from higgs_trt.runtime.prompt import build_prompt
 
     levels = sizes("--concurrency", concurrency, 4096)
     within("--rows", rows, 8, 2048)
     within("--requests", requests, 0, 100_000)
     settings = sampling(temperature, 0, 1.0, 0)
+    ref_seconds = ref_seconds or (10.0 if voices else 0.0)
     if not (ref_seconds == 0 or MIN_SECONDS <= ref_seconds <= MAX_SECONDS):
         raise HiggsError(f"--ref-seconds must be 0 (no reference) or lie in {MIN_SECONDS:g}..{MAX_SECONDS:g} (as "
                          f"--ref-audio's), got {ref_seconds}")
+    if sum((voices, segments > 1 and not text_rate, text_rate is not None)) > 1:
+        raise HiggsError("--voice, --segments and --text-rate are separate benchmarks: give one at a time")
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     if timeline and (backend or ("ort" if engine else "torch")) != "torch":
         raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU")
@@ -133,25 +147,66 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     if timeline and model.name != "torch-cuda":
         raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU (none here)")
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
-    if ref_seconds:
-        from higgs_trt.runtime.decoding import CODEBOOK_SIZE, FRAMES_PER_SECOND, NUM_CODEBOOKS
+    voice = reference_voice(text, ref_seconds)
+    if text_rate is not None:
+        from higgs_trt.runtime.bench.text_rate import bench_text_rate
 
-        frames = round(FRAMES_PER_SECOND * ref_seconds)
-        ref_codes = np.random.default_rng(0).integers(0, CODEBOOK_SIZE, (frames, NUM_CODEBOOKS), dtype=np.int32)
-        prompt = build_prompt(tokenizer, text, ref_codes, text)
-    else:
-        prompt = build_prompt(tokenizer, text)
+        pieces = segments if segments > 1 else 10
+        say(f"{model.name} backend, {pieces} × {text!r} streamed in at {text_rate:g} chars/s, {rows} rows per segment")
+        click.echo(bench_text_rate(model, tokenizer, " ".join([text] * pieces), voice, text_rate, rows, settings,
+                                   plan).line())
+        return
+
+    def speech(words: str, voice: Reference):
+        return lambda: plan_text(tokenizer, words, voice, None, model.max_prompt)
+
+    kinds = [("", speech(text, voice), None)]
+    if voices:
+        prefixes = model.prefixes
+        kinds = [("default voice", speech(text, Reference()), None),
+                 (f"{ref_seconds:g} s voice, cache off", speech(text, voice), 0),
+                 (f"{ref_seconds:g} s voice, cache on", speech(text, voice), max(prefixes.entries, 1))]
+        if not getattr(model, "cacheable", True):
+            say(f"note: the {model.name} backend keeps no prefix cache: 'cache on' runs as 'cache off'")
+    elif segments > 1:
+        _, script = plan_text(tokenizer, " ".join([text] * segments), voice, None, model.max_prompt)
+        count = 1 + len(script.pending) if script else 1
+        kinds = [("1 segment", speech(text, voice), None),
+                 (f"{count} segments", speech(" ".join([text] * segments), voice), None)]
+    prompt, _ = kinds[-1][1]()
     say(f"{model.name} backend, {model.max_batch} slots, prompt of {len(prompt)} tokens"
-        + (f" ({ref_seconds:g} s reference)" if ref_seconds else "") + f", {rows} rows per request, "
+        + (f" ({ref_seconds:g} s reference)" if ref_seconds else "") + f", {rows} rows per segment, "
         f"first chunk {plan.first} frames, then {plan.chunk}{'; clients staggered' if stagger else ''}")
     for c in levels:
-        run_stream(model, prompt, c, c, rows, settings, plan, stagger)  # warm-up: the codec meets this level's windows
-        level = partial(run_stream, model, prompt, c, requests or 2 * c, rows, settings, plan, stagger)
-        click.echo(level().line())
-        if timeline:
-            from higgs_trt.runtime.bench.profile import profile_level
+        firsts = []
+        for label, make, entries in kinds:
+            if entries is not None:
+                model.prefixes.entries = entries
+            run_stream(model, make, c, c, rows, settings, plan, stagger)  # warm-up: windows, caches, prefixes
+            level = partial(run_stream, model, make, c, requests or 2 * c, rows, settings, plan, stagger, label)
+            figures = level()
+            click.echo(figures.line())
+            firsts.append(np.percentile(figures.ttfa_ms, 50))
+            if timeline:
+                from higgs_trt.runtime.bench.profile import profile_level
 
-            click.echo(f"  (profiled: {profile_level(level, model, say=click.echo).line()})")
+                click.echo(f"  (profiled: {profile_level(level, model, say=click.echo).line()})")
+        if len(kinds) > 1:
+            click.echo("  first audio p50 against the " + kinds[0][0] + ": "
+                       + ", ".join(f"{label} {first / firsts[0]:.2f}×" for (label, _, _), first
+                                   in zip(kinds[1:], firsts[1:])))
+
+
+def reference_voice(text: str, seconds: float):
+    """A voice of `seconds` of random codes (25 frames a second) with `text` as its transcript; 0: the default."""
+    from higgs_trt.runtime.decoding import CODEBOOK_SIZE, FRAMES_PER_SECOND, NUM_CODEBOOKS
+    from higgs_trt.runtime.longform import Reference
+
+    if not seconds:
+        return Reference()
+    frames = round(FRAMES_PER_SECOND * seconds)
+    codes = np.random.default_rng(0).integers(0, CODEBOOK_SIZE, (frames, NUM_CODEBOOKS), dtype=np.int32)
+    return Reference(codes, text)
 
 
 @bench.command("serve")
