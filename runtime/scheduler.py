@@ -297,6 +297,8 @@ class Scheduler:
                     continue
                 if joins and budget is not None and rows + len(request.prompt) > budget:
                     break
+                if not self.engine.reserve(free[len(joins)], len(request.prompt) + request.max_rows):
+                    break  # no cache room for it until a request ends: it waits, first in line
                 joins.append((free[len(joins)], self.queue.popleft()))
                 self.between.discard(request)
                 rows += len(request.prompt)
@@ -309,7 +311,8 @@ class Scheduler:
         try:
             self.engine.prefill([(slot, r.prompt, r.sampling) for slot, r in joins])
         except HiggsError as e:
-            for _, request in joins:
+            for slot, request in joins:
+                self.engine.release(slot)
                 request.error = str(e)
                 self._finish(request)
             return

@@ -52,8 +52,13 @@ class SlotEngine(Protocol):
         """(slot, its 8 codes) of every launched row not read yet, oldest first, waiting until at most `keep`
         launches are pending; rows of slots released or refilled since their launch are dropped."""
 
+    def reserve(self, slot: int, positions: int) -> bool:
+        """Hold cache for `positions` positions (a request's prompt and its row cap) in `slot` before its prefill;
+        False if the cache has no room for them now (the request waits). Engines whose slots each hold a whole
+        max_seq cache always have room."""
+
     def release(self, slot: int) -> None:
-        """The slot's request is done: its rows are no longer advanced or returned."""
+        """The slot's request is done: its rows are no longer advanced or returned, and its cache is free."""
 
     def busy(self) -> bool:
         """A launched step still runs (never, for an engine whose steps return when done)."""

@@ -88,6 +88,9 @@ class HostStepper(SlotEngine):
         out, self.out = self.out, []
         return out
 
+    def reserve(self, slot: int, positions: int) -> bool:
+        return True  # every slot holds a whole max_seq cache
+
     def release(self, slot: int) -> None:
         self.live[slot] = False
 

@@ -329,6 +329,6 @@ def test_both_engine_kinds_implement_every_call_of_the_slot_contract():
     from higgs_trt.runtime.slots import SlotEngine
 
     calls = {name for name, value in vars(SlotEngine).items() if callable(value) and not name.startswith("_")}
-    assert calls == {"prefill", "step", "rows", "release", "busy", "prepare_codec", "codec"}
+    assert calls == {"prefill", "step", "rows", "reserve", "release", "busy", "prepare_codec", "codec"}
     for engine in (HostStepper, GpuEngine):
         assert SlotEngine in engine.__mro__ and calls <= set(vars(engine)), engine

@@ -40,6 +40,9 @@ class TimedEngine:
     def rows(self, keep=0):
         return self.inner.rows(keep)
 
+    def reserve(self, slot, positions):
+        return self.inner.reserve(slot, positions)
+
     def release(self, slot):
         self.inner.release(slot)
 

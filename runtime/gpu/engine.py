@@ -351,6 +351,9 @@ class GpuEngine(Prefill, SlotEngine):
     def _live(self, slot: int, epoch: int) -> bool:
         return epoch == self.epochs[slot] and self.live[slot]
 
+    def reserve(self, slot: int, positions: int) -> bool:
+        return True  # every slot holds a whole max_seq cache
+
     def release(self, slot: int) -> None:
         self.live[slot] = False
         self._claim_stream()
