@@ -38,6 +38,7 @@ from .decoding import (FRAMES_PER_SECOND, HARD_CAP_ROWS, NUM_CODEBOOKS, CodeStre
                        sanitize)
 from .errors import HiggsError
 from .prompt import Prompt
+from .realtime import SWAP_MARGIN, StepTimes, deadline
 from .streaming import StreamPlan, Window
 
 if TYPE_CHECKING:
@@ -130,9 +131,19 @@ def freeze_heap() -> None:
 
 class Scheduler:
     def __init__(self, engine, plan: StreamPlan | None = None, max_queue: int = 1024,
-                 prefill_rows: int = PREFILL_ROWS):
+                 prefill_rows: int = PREFILL_ROWS, lanes: int | None = None, realtime: bool = False,
+                 clock=time.perf_counter):
+        """`lanes`: slots one step decodes (default all); the requests in the others wait, earliest deadline first
+        (runtime/realtime.py; the engine must be able to move a request between slots). `realtime`: refuse a
+        request that would push the streams under real time. `clock`: the time (tests simulate it)."""
         freeze_heap()
         self.engine = engine
+        self.lanes = min(lanes or engine.max_batch, engine.max_batch)
+        if self.lanes < engine.max_batch and not getattr(engine, "swappable", False):
+            raise HiggsError(f"the {engine.name} engine cannot move a request between slots: decoding fewer slots "
+                             f"({self.lanes}) than it has ({engine.max_batch}) needs one that can (ONNX Runtime)")
+        self.realtime, self.clock = realtime, clock
+        self.step_times = StepTimes()
         self.plan = plan or StreamPlan.exact(engine.codec_strides)
         engine.prepare_codec(self.plan)  # e.g. the GPU engine captures the plan's codec windows, before any request
         self.first_rows = Utterance.rows_needed(self.plan.due(0))  # a request's rows that make its first window due
@@ -161,7 +172,9 @@ class Scheduler:
             free = len(self.slots) - len(self.occupied)  # queued requests that will take a slot at the next step
             if len(self.queue) - free >= self.max_queue:
                 raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting for a slot)")
-            request.submitted_at = time.perf_counter()
+            if self.realtime:
+                self._check_capacity()
+            request.submitted_at = self.clock()
             request.stream = CodeStream()
             request.stream.finished = request.script is None
             if request.prompt is None:  # text that streams in: its first segment is not complete yet
@@ -171,6 +184,12 @@ class Scheduler:
                 self.queue.append(request)
         self.wakeup.set()
         return request
+
+    def _check_capacity(self) -> None:
+        streams = len(self.occupied) + len(self.between.union(self.queue)) + 1
+        if streams > 1 and not self.step_times.keeps_up(streams, self.lanes):  # one stream alone always runs
+            raise QueueFull(f"the engine is at its real-time capacity: {streams} streams would not all be decoded as "
+                            "fast as they play")
 
     def feed_text(self, request: Request, text: str = "", flush: bool = False, finish: bool = False) -> None:
         """More text for a long-form request whose text streams in (its script's feed, flush, finish); a segment it
@@ -222,15 +241,18 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration; False when there is nothing left to do."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if self.queue:
             self._admit()
-        t1 = time.perf_counter()
+        t1 = self.clock()
+        if self.occupied and self.occupied[-1] >= self.lanes and not self.unread:
+            self._choose_lanes()
         busy = self.occupied
+        stepped = busy if self.lanes == len(self.slots) else [s for s in busy if s < self.lanes]
         held = self._first_chunk_alone()
-        rows = self._rows_per_step() if busy and not held else 0
+        rows = self._rows_per_step(stepped) if stepped and not held else 0
         if rows:
-            rows = self.engine.step(busy[-1] + 1, rows)
+            rows = self.engine.step(stepped[-1] + 1, rows)
             self.launched += rows
             self.unread.append(rows)
         keep = self.engine.lag if rows else 0
@@ -240,7 +262,7 @@ class Scheduler:
                 request.utterance.push(codes)
         while len(self.unread) > keep:  # rows(keep) left at most `keep` launches unread
             self.unread.popleft()
-        t2 = time.perf_counter()
+        t2 = self.clock()
         windows, freed = [], False
         for slot in busy:
             request = self.slots[slot]
@@ -265,15 +287,18 @@ class Scheduler:
             windows += self._due(request)
         if freed:
             self.occupied = [s for s in busy if self.slots[s] is not None]
-        t3 = time.perf_counter()
+        t3 = self.clock()
         if windows:
             self._decode(windows)
         self._collect(wait=held or (not self.occupied and not self.queue))
-        t4 = time.perf_counter()
+        t4 = self.clock()
         if self.urgent:  # set by each join; still, after this step's chunks?
             self.urgent = any(not self.slots[s].emitted for s in self.occupied)
-        for phase, seconds in zip(self.seconds, (t1 - t0, t2 - t1, t4 - t3, t3 - t2 + time.perf_counter() - t4)):
+        t5 = self.clock()
+        for phase, seconds in zip(self.seconds, (t1 - t0, t2 - t1, t4 - t3, t3 - t2 + t5 - t4)):
             self.seconds[phase] += seconds
+        if rows:
+            self.step_times.record(stepped[-1] + 1, t5 - t0, rows)
         with self.lock:
             return bool(self.queue) or bool(self.occupied) or bool(self.decoding)
 
@@ -305,7 +330,7 @@ class Scheduler:
         if not joins:
             return
         self.prefill_calls += 1
-        now = time.perf_counter()
+        now = self.clock()
         for _, request in joins:
             request.admitted_at = request.admitted_at or now  # a long-form request's first segment's
         try:
@@ -323,19 +348,38 @@ class Scheduler:
         self.urgent = True
         self.unread.append(1)  # each join's row 0
 
-    def _rows_per_step(self) -> int:
+    def _choose_lanes(self) -> None:
+        """Earliest deadline first: a request waiting outside the decoded slots takes a free one, or the place of
+        the decoded request whose listener has the most audio ahead, if its own deadline is SWAP_MARGIN sooner."""
+        free = [s for s in range(self.lanes) if self.slots[s] is None]
+        waiting = sorted((s for s in self.occupied if s >= self.lanes), key=lambda s: deadline(self.slots[s]))
+        decoded = sorted((s for s in self.occupied if s < self.lanes), key=lambda s: -deadline(self.slots[s]))
+        for slot in waiting:
+            if free:
+                lane = free.pop(0)
+            elif decoded and deadline(self.slots[slot]) < deadline(self.slots[decoded[0]]) - SWAP_MARGIN:
+                lane = decoded.pop(0)
+            else:
+                break
+            self.engine.swap(slot, lane)
+            self.slots[slot], self.slots[lane] = self.slots[lane], self.slots[slot]
+            moved = self.slots[lane]
+            moved.last_launch = self.launched + moved.max_rows - len(moved.utterance.rows)
+        self.occupied = [s for s, r in enumerate(self.slots) if r is not None]
+
+    def _rows_per_step(self, stepped: list[int]) -> int:
         """MULTI_ROWS, unless someone waits to join, or a launch of that many rows could run past the row whose
         codes make a request's first window due: its first audio would then wait for the rows after it. Never more
         than the busy requests can still use (their row caps; 0: no launch): read one launch late, rows past every
         cap would be decoded for nobody and hold up the next join's prefill behind them."""
-        left = max(self.slots[s].last_launch for s in self.occupied) - self.launched
+        left = max(self.slots[s].last_launch for s in stepped) - self.launched
         if left <= 0:
             return 0
         if self.queue:
             return 1
         if self.urgent:
             needed = self.first_rows - sum(self.unread)
-            for slot in self.occupied:
+            for slot in stepped:
                 request = self.slots[slot]
                 if not request.planned and needed - len(request.utterance.rows) < MULTI_ROWS:
                     return 1
@@ -471,7 +515,7 @@ class Scheduler:
 
     def _deliver(self, request: Request, chunk: np.ndarray) -> None:
         if request.first_audio_at is None:
-            request.first_audio_at = time.perf_counter()
+            request.first_audio_at = self.clock()
         if request.on_chunk is not None:
             request.on_chunk(chunk)
         else:
@@ -481,6 +525,6 @@ class Scheduler:
         if request.finished:
             return
         request.finished = True
-        request.finished_at = time.perf_counter()
+        request.finished_at = self.clock()
         if request.on_done is not None:
             request.on_done(request)

@@ -28,6 +28,7 @@ class HostStepper(SlotEngine):
         self.backend = backend
         self.prefixes = PrefixCache(prefix_entries)
         self.cacheable = hasattr(backend, "read_cache")  # a backend whose caches the host can copy (not TensorRT's)
+        self.swappable = hasattr(backend, "swap_cache")  # can move a request between slots (the scheduler's lanes)
         self.name, self.max_batch, self.max_seq = backend.name, backend.max_batch, backend.max_seq
         self.max_prompt, self.codec_strides = backend.max_prompt, backend.codec_strides
         self.hop = math.prod(self.codec_strides)  # samples per frame, as the codec decodes them
@@ -90,6 +91,14 @@ class HostStepper(SlotEngine):
 
     def reserve(self, slot: int, positions: int) -> bool:
         return True  # every slot holds a whole max_seq cache
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the requests of two slots, caches and decode state (neither has a row unread)."""
+        self.backend.swap_cache(a, b)
+        for state in (self.write_pos, self.row, self.end, self.fed):
+            state[[a, b]] = state[[b, a]]
+        self.sampling[a], self.sampling[b] = self.sampling[b], self.sampling[a]
+        self.live[a], self.live[b] = self.live[b], self.live[a]
 
     def release(self, slot: int) -> None:
         self.live[slot] = False

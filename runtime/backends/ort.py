@@ -89,6 +89,10 @@ class OrtBackend:
         for cache, kept in zip(self.caches, rows):
             cache[slot, :, :kept.shape[1]] = kept
 
+    def swap_cache(self, a: int, b: int) -> None:
+        for cache in self.caches:
+            cache[[a, b]] = cache[[b, a]]
+
     def codec(self, codes: np.ndarray) -> np.ndarray:
         """Windows [N, 8, T] → audio [N, 1, 960·T], one window per session run: ONNX Runtime's CPU convolutions
         round differently (~1e-7) by batch size, and one at a time each window's audio is bit-exact whatever else

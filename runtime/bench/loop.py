@@ -136,7 +136,7 @@ def underruns(arrivals: list[tuple[float, int]], per_second: int = 24000) -> int
 
 
 def bench_stream(engine, speech: Callable[[], tuple], concurrency: int, requests: int, rows: int, sampling: Sampling,
-                 plan=None, stagger: bool = False, label: str = "") -> StreamFigures:
+                 plan=None, stagger: bool = False, label: str = "", lanes: int | None = None) -> StreamFigures:
     """Closed-loop clients: `concurrency` requests in flight, each finished one replaced by a new one, until
     `requests` have finished. `speech()` gives a request's first prompt and the script of its later segments (None
     for one segment). Every segment decodes exactly `rows` rows (random weights repeat rows and emit EOC at random:
@@ -145,7 +145,7 @@ def bench_stream(engine, speech: Callable[[], tuple], concurrency: int, requests
     end and join at different steps, as served traffic does."""
     from higgs_trt.runtime.scheduler import Scheduler, request_for
 
-    scheduler = Scheduler(engine, plan)
+    scheduler = Scheduler(engine, plan, lanes=lanes)
     done, arrivals = [], {}
     submitted = [0]
 

@@ -113,6 +113,18 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
               help="Text streamed in: --text × --segments (10 unless given) fed word by word at this many characters "
                    "a second to one request; per segment, its last character → its first audio, beside one-shot "
                    "requests of each segment alone.")
+@click.option("--realtime", "rates",
+              help="Real-time listeners: Poisson arrivals at these rates (a second, comma-separated), each playing at 1× "
+                   "with a --buffer-ms buffer; stall share, p95 stall, first audio, and the largest rate with no stall. "
+                   "The scheduler refuses a request that would push the others under real time.")
+@click.option("--duration", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
+              help="--realtime: seconds of arrivals per rate.")
+@click.option("--buffer-ms", type=click.IntRange(0, 10_000), default=100, show_default=True,
+              help="--realtime: audio a listener holds before it plays (and again after a stall).")
+@click.option("--slots", type=click.IntRange(1, 4096), help="Engine slots [default: the largest --concurrency].")
+@click.option("--lanes", type=click.IntRange(1, 4096),
+              help="Slots one step decodes [default: all]; requests in the others wait, earliest deadline first "
+                   "(engines that can move a request between slots: ONNX Runtime).")
 @click.option("--timeline", is_flag=True,
               help="GPU engine: run each level once more under torch's profiler and say where its time went (the "
                    "decode stream's busy time, its idle gaps by the scheduler or engine call running when each began, "
@@ -120,7 +132,8 @@ def bench_decode(ctx, engine, checkpoint, backend, device, precision, placeholde
 @stream_plan_options
 def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholder_scales, codec_precision, text,
                  max_seq, rows, concurrency, requests, temperature, stagger, ref_seconds, voices, segments, text_rate,
-                 timeline, first_chunk, chunk, context, holdback, first_holdback):
+                 rates, duration, buffer_ms, slots, lanes, timeline, first_chunk, chunk, context, holdback,
+                 first_holdback):
     """Streaming under load: audio-s/s, time to first audio p50/p95, underruns, per concurrency level (exact chunk
     seams unless the window options say otherwise). --voice, --segments and --text-rate put the figures a feature
     must match beside the plain request's, measured in the same run."""
@@ -137,17 +150,24 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
     if not (ref_seconds == 0 or MIN_SECONDS <= ref_seconds <= MAX_SECONDS):
         raise HiggsError(f"--ref-seconds must be 0 (no reference) or lie in {MIN_SECONDS:g}..{MAX_SECONDS:g} (as "
                          f"--ref-audio's), got {ref_seconds}")
-    if sum((voices, segments > 1 and not text_rate, text_rate is not None)) > 1:
-        raise HiggsError("--voice, --segments and --text-rate are separate benchmarks: give one at a time")
+    if sum((voices, segments > 1 and not text_rate, text_rate is not None, rates is not None)) > 1:
+        raise HiggsError("--voice, --segments, --text-rate and --realtime are separate benchmarks: give one at a time")
+    arrival_rates = [float(r) for r in rates.split(",")] if rates else []
+    if any(not 0 < r <= 10_000 for r in arrival_rates):
+        raise HiggsError(f"--realtime takes arrival rates in (0, 10000] a second, got {rates}")
     stream_plan(first_chunk, chunk, context, holdback, first_holdback)  # sizes checked before any work
     if timeline and (backend or ("ort" if engine else "torch")) != "torch":
         raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU")
-    model, tokenizer = bench_engine(ctx, backend, checkpoint, engine, device, max_seq, max(levels), precision,
-                                    placeholder_scales, codec_precision)
+    model, tokenizer = bench_engine(ctx, backend, checkpoint, engine, device, max_seq, slots or max(levels),
+                                    precision, placeholder_scales, codec_precision)
     if timeline and model.name != "torch-cuda":
         raise HiggsError("--timeline profiles the GPU engine: --backend torch on a GPU (none here)")
     plan = stream_plan(first_chunk, chunk, context, holdback, first_holdback, model.codec_strides, warn=True)
     voice = reference_voice(text, ref_seconds)
+    if arrival_rates:
+        realtime_levels(model, plan, lanes, plan_text(tokenizer, text, voice, None, model.max_prompt)[0],
+                        arrival_rates, duration, rows, buffer_ms / 1e3)
+        return
     if text_rate is not None:
         from higgs_trt.runtime.bench.text_rate import bench_text_rate
 
@@ -182,8 +202,8 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
         for label, make, entries in kinds:
             if entries is not None:
                 model.prefixes.entries = entries
-            run_stream(model, make, c, c, rows, settings, plan, stagger)  # warm-up: windows, caches, prefixes
-            level = partial(run_stream, model, make, c, requests or 2 * c, rows, settings, plan, stagger, label)
+            run_stream(model, make, c, c, rows, settings, plan, stagger, lanes=lanes)  # warm-up: windows, prefixes
+            level = partial(run_stream, model, make, c, requests or 2 * c, rows, settings, plan, stagger, label, lanes)
             figures = level()
             click.echo(figures.line())
             firsts.append(np.percentile(figures.ttfa_ms, 50))
@@ -195,6 +215,27 @@ def bench_stream(ctx, engine, checkpoint, backend, device, precision, placeholde
             click.echo("  first audio p50 against the " + kinds[0][0] + ": "
                        + ", ".join(f"{label} {first / firsts[0]:.2f}×" for (label, _, _), first
                                    in zip(kinds[1:], firsts[1:])))
+
+
+def realtime_levels(model, plan, lanes, prompt, rates, duration, rows, buffer) -> None:
+    from higgs_trt.runtime.bench.realtime import bench_realtime
+    from higgs_trt.runtime.scheduler import Scheduler
+
+    say(f"{model.name} backend, {model.max_batch} slots ({lanes or model.max_batch} decoded a step), {rows} rows a "
+        f"request, {duration:g} s of arrivals a rate, listeners buffer {1e3 * buffer:g} ms")
+    scheduler = Scheduler(model, plan, lanes=lanes, realtime=True)
+    bench_realtime(scheduler, model, prompt, max(rates), 1.0, rows, buffer)  # warm-up: windows, step times measured
+    clean = []
+    for rate in rates:
+        figures = bench_realtime(scheduler, model, prompt, rate, duration, rows, buffer)
+        click.echo(figures.line())
+        if not any(figures.stalled_s):
+            clean.append((rate, figures.mean_streams))
+    if clean:
+        rate, streams = max(clean)
+        click.echo(f"largest rate with no stall: {rate:g} arrivals/s, {streams:.1f} real-time streams on average")
+    else:
+        click.echo("every rate stalled some listener")
 
 
 def reference_voice(text: str, seconds: float):

@@ -1,0 +1,88 @@
+"""`bench stream --realtime`: listeners arriving at random (a Poisson process) at a given rate, each playing its audio
+at 1× once it holds a buffer of it; how often and how long they stall, and how soon they hear the first audio.
+
+A listener starts playing when `buffer` seconds of audio have arrived (or the whole utterance, if shorter). It stalls
+when playback reaches the end of what has arrived before the utterance is complete, and plays again once the buffer
+is full again; the stall lasts from the moment it ran dry to then. Mean streams is the time-average of the requests
+holding a slot (from admission to their last audio, over the level's wall time)."""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.wav import SAMPLE_RATE
+
+
+@dataclass
+class RealtimeFigures:
+    rate: float  # arrivals per second
+    requests: int
+    refused: int  # refused at admission (the scheduler's real-time rule)
+    audio_s: float
+    stalled_s: list  # per request
+    ttfa_ms: list
+    mean_streams: float
+
+    def line(self) -> str:
+        stalled = np.array(self.stalled_s or [0.0])
+        ttfa = np.array(self.ttfa_ms or [0.0])
+        return (f"{self.rate:g} arrivals/s: {self.requests} requests ({self.refused} refused), mean streams "
+                f"{self.mean_streams:.1f}; stall share {stalled.sum() / max(self.audio_s, 1e-9):.2%}, stalled requests "
+                f"{int((stalled > 0).sum())}, p95 stall {1e3 * np.percentile(stalled, 95):.0f} ms; first audio p50 "
+                f"{np.percentile(ttfa, 50):.1f} ms, p95 {np.percentile(ttfa, 95):.1f} ms")
+
+
+def stalled_seconds(chunks: list[tuple[float, int]], buffer: float) -> float:
+    """Seconds a 1× listener with a `buffer`-second buffer spends stalled, given (arrival time, samples) chunks."""
+    total = sum(n for _, n in chunks) / SAMPLE_RATE
+    received = played_at_start = 0.0
+    playing_since = ran_dry = None
+    stalled = 0.0
+    for at, n in chunks:
+        if playing_since is not None and playing_since + received - played_at_start < at:
+            ran_dry = playing_since + received - played_at_start
+            playing_since, played_at_start = None, received
+        received += n / SAMPLE_RATE
+        if playing_since is None and (received - played_at_start >= buffer or received >= total - 1e-9):
+            if ran_dry is not None:
+                stalled += at - ran_dry
+                ran_dry = None
+            playing_since = at
+    return stalled
+
+
+def bench_realtime(scheduler, engine, prompt, rate: float, duration: float, rows: int, buffer: float,
+                   seed: int = 0) -> RealtimeFigures:
+    """Arrivals at `rate` a second for `duration` seconds (seeded), each a request of exactly `rows` rows."""
+    from higgs_trt.runtime.scheduler import QueueFull, request_for
+
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, size=max(1, int(rate * duration * 2) + 10)))
+    arrivals = list(arrivals[arrivals < duration])
+    done, chunks, refused = [], {}, 0
+    t0 = time.perf_counter()
+    while True:
+        now = time.perf_counter() - t0
+        while arrivals and arrivals[0] <= now:
+            arrivals.pop(0)
+            request = request_for(engine, prompt, Sampling(1.0, seed=len(done) + refused), hard_cap=rows,
+                                  on_done=done.append)
+            request.fixed_rows = True
+            request.on_chunk = lambda c, r=request: chunks.setdefault(id(r), []).append((time.perf_counter(), len(c)))
+            try:
+                scheduler.submit(request)
+            except QueueFull:
+                refused += 1
+        if not scheduler.step():
+            if not arrivals:
+                break
+            time.sleep(max(0.0, arrivals[0] - (time.perf_counter() - t0)))
+    wall = time.perf_counter() - t0
+    lived = sum(r.finished_at - r.admitted_at for r in done if r.admitted_at is not None)
+    audio = sum(n for r in done for _, n in chunks.get(id(r), [])) / SAMPLE_RATE
+    return RealtimeFigures(rate, len(done), refused, audio,
+                           [stalled_seconds(chunks[id(r)], buffer) for r in done if id(r) in chunks],
+                           [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at],
+                           lived / wall)
