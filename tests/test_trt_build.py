@@ -130,9 +130,9 @@ def _state(directory):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
 def test_a_rebuild_stopped_while_building_plans_leaves_the_old_engine(tiny_ckpt, built, tmp_path, sig):
-    """The plans are built in a staging copy: Ctrl-C (raised inside TensorRT's build, where it used to be swallowed
-    and the build exited 0) ends the command with exit 1, and a kill leaves litter the next build removes; the old
-    engine stays whole either way."""
+    """The plans are built in a staging copy: Ctrl-C (raised inside TensorRT's build, which must not swallow it and
+    exit 0) ends the command with exit 1, and a kill leaves litter the next build removes; the old engine stays whole
+    either way."""
     target = shutil.copytree(built[0], tmp_path / "engine")
     before = _state(target)
     args = ["build", "--checkpoint", tiny_ckpt, "--out", target, "--target", "sm89", "--max-seq", 160,
