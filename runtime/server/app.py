@@ -8,10 +8,12 @@
   GET  /metrics           Prometheus text (metrics.py)
 With `serve --api-key`, every route but /health needs the key (auth.py).
 
-A handler submits its request (thread-safe) and gets the audio through an asyncio.Queue that the engine thread feeds
-with `call_soon_threadsafe`. When a response body stops early — the client went away (Starlette cancels the body),
-the request timed out, the server is shutting down — its request is cancelled, and the loop frees the slot at its
-next step.
+The routes reach the engine through the engine seam (engine_thread.py): one engine thread in this process, or Ray
+Serve replicas behind `serve --cluster` (runtime/cluster/), the same routes either way. A handler submits its order
+and reads the job's audio as it comes. When a response body stops early — the client went away (Starlette cancels the
+body), the request timed out, the server is shutting down — its job is cancelled, and the engine frees the slot at its
+next step. In a cluster a response carries `X-Higgs-Replica`, the replica that served it, and waits for its first
+chunk before it answers, so a replica lost before then is a 503, not a cut body.
 
 Formats. wav and pcm stream chunk by chunk (a streamed wav's RIFF and data sizes are 0xFFFFFFFF); flac, mp3 and opus
 are written whole by soundfile once the utterance is complete (a FLAC's STREAMINFO carries the total length and an
@@ -34,7 +36,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -42,17 +44,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 
-from higgs_trt.runtime.audio import encode_reference, load_reference_audio, reference_audio_from_bytes
-from higgs_trt.runtime.longform import Reference, plan_text
-from higgs_trt.runtime.scheduler import QueueFull, request_for
+from higgs_trt.runtime.audio import load_reference_audio, reference_audio_from_bytes
+from higgs_trt.runtime.longform import Reference
+from higgs_trt.runtime.scheduler import QueueFull
 from higgs_trt.runtime.sinks import wav_header
 from higgs_trt.runtime.wav import SAMPLE_RATE, pcm16
 
-from .audio_queue import AudioQueue, Cut
+from .audio_queue import Cut
 from .auth import BearerAuth
-from .engine_thread import EngineThread
+from .engine_thread import Order, affinity
 from .limits import Limits
-from .metrics import Metrics
 from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
 from .text_stream import speech_stream
 from .voice_routes import voice_routes
@@ -66,18 +67,18 @@ INLINE_PARSE_BYTES = 64 << 10
 # Requests whose body passed INLINE_PARSE_BYTES (reference audio) being read, decoded and encoded at once; past this a
 # new one gets 429. The engine thread encodes them one at a time anyway, so more would only hold memory (~50 MB each).
 LARGE_BODIES_AT_ONCE = 8
-INLINE_PLAN_CHARS = 512  # longer texts are cut into segments in a worker thread
+REPLICA_HEADER = "X-Higgs-Replica"
 
 
 class SpeechService:
-    def __init__(self, engine: EngineThread, tokenizer, store: VoiceStore, ref_dir: Path | None,
-                 limits: Limits = Limits(), model: str = MODEL_ID, fixed_length: bool = False,
-                 api_key: str | None = None):
+    def __init__(self, engine, tokenizer, store: VoiceStore, ref_dir: Path | None, limits: Limits = Limits(),
+                 model: str = MODEL_ID, fixed_length: bool = False, api_key: str | None = None):
+        """`engine`: the engine seam (engine_thread.py), an EngineThread or a cluster's ClusterEngine."""
         self.engine, self.tokenizer, self.store, self.ref_dir = engine, tokenizer, store, ref_dir
         self.fixed_length = fixed_length  # benchmarks: every request decodes exactly max_new_tokens rows
         self.limits, self.model, self.api_key = limits, model, api_key
         self.timeout, self.max_body = limits.timeout, limits.max_body
-        self.metrics = Metrics(engine)
+        self.metrics = engine.metrics
         self.created = int(time.time())
         self.draining = False
         self.admitting = 0  # requests between arrival and submission (reading, parsing, encoding reference audio)
@@ -92,7 +93,8 @@ class SpeechService:
             return JSONResponse({"status": "shutting down"}, 503)
         if not self.engine.ready.is_set():
             return JSONResponse({"status": "loading"}, 503)
-        return JSONResponse({"status": "ok", "backend": self.engine.engine.name, "slots": self.engine.engine.max_batch})
+        status, body = await self.engine.health()
+        return JSONResponse(body, status)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
@@ -103,12 +105,13 @@ class SpeechService:
         return self.store.voices
 
     async def metrics_text(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.engine.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def speech(self, request: Request) -> Response:
         arrived, started = asyncio.get_running_loop().time(), time.perf_counter()
+        deadline = arrived + self.timeout
         try:
-            job, stream, speech, input_tokens = await self._admit(request, arrived + self.timeout)
+            job, speech = await self._admit(request, deadline)
         except ApiError as e:
             self.metrics.errors.labels(e.code).inc()
             return JSONResponse(e.body(), e.status, headers=e.headers)
@@ -116,25 +119,24 @@ class SpeechService:
             self.metrics.errors.labels("client_gone").inc()
             return Response(status_code=400)
         self.metrics.admission.observe(job.submitted_at - started)
-        deadline = arrived + self.timeout
-        stop = partial(self._stop, job, stream)
+        served = {REPLICA_HEADER: job.replica} if job.replica is not None else {}
         if speech.sse:
-            return AudioResponse(self._sse(stream, job, speech, deadline, input_tokens), stop,
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return AudioResponse(self._sse(job, speech, deadline), job.cancel, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **served})
         if speech.response_format in ENCODED:
-            return await self._whole_file(request, stream, job, speech, deadline)
-        raw = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Channels": "1", "X-Bit-Depth": "16"}
+            return await self._whole_file(request, job, speech, deadline, served)
+        raw = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Channels": "1", "X-Bit-Depth": "16", **served}
         media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
-        return AudioResponse(self._audio(stream, job, speech, deadline), stop, media_type=media, headers=raw)
+        return AudioResponse(self._audio(job, speech, deadline), job.cancel, media_type=media, headers=raw)
 
     async def _admit(self, request: Request, deadline: float):
-        """Parse, check, build the prompt, submit: every refusal is an ApiError."""
+        """Parse, check, submit to the engine (which plans the text's segments): every refusal is an ApiError."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
         if not self.engine.ready.is_set():
             why = f"the engine failed: {self.engine.failure}" if self.engine.failure else "the engine is loading"
             raise ApiError(503, why, None, "not_ready", "server_error", {"Retry-After": "5"})
-        if self.admitting >= self.engine.max_queue + self.engine.engine.max_batch:  # what the queue and slots take
+        if self.admitting >= self.engine.capacity:  # what the queue and slots take
             raise busy(f"{self.admitting} requests are being received")
         self.admitting += 1
         large = False
@@ -143,21 +145,26 @@ class SpeechService:
             parse = partial(parse_speech, body, self.model, self.voices, self.ref_dir, self.limits.max_input_chars)
             speech = parse() if len(body) <= INLINE_PARSE_BYTES else await run_in_threadpool(parse)
             del body, parse  # up to 16 MB, not needed while its reference audio is decoded and encoded
-            prompt, script = await self._prompt(speech)
+            voice, cast = await self.voice(speech)
+            with field("input"):
+                self.tokenizer.encode(speech.text, "input")  # its errors name the field; build_prompt's say "text"
+            order = self.order(speech, voice, cast, speech.text, deadline - asyncio.get_running_loop().time())
+            with field(self.blamed(speech)):  # a prompt too long for the engine: its reference is named, if it has one
+                try:
+                    job = await self.engine.submit(order)
+                except QueueFull as e:
+                    raise busy(str(e)) from None
         finally:
             self.admitting -= 1
             self.large_bodies -= large
-        stream = AudioQueue(asyncio.get_running_loop(), self.metrics)
-        with field(self.blamed(speech)):  # a prompt too long for the engine: its reference is named, if it has one
-            job = request_for(self.engine.engine, prompt, speech.sampling, hard_cap=speech.max_new_tokens,
-                              script=script, max_seconds=self.limits.max_seconds, on_chunk=stream.chunk,
-                              on_done=stream.done)
-        job.fixed_rows = self.fixed_length
-        try:
-            self.engine.scheduler.submit(job)
-        except QueueFull as e:
-            raise busy(str(e)) from None
-        return job, stream, speech, len(prompt)
+        await job.started(deadline)
+        return job, speech
+
+    def order(self, speech: Speech, voice: Reference, cast: dict[str, Reference], text: str | None,
+              seconds: float) -> Order:
+        """The engine's order for a request (text None: it streams in)."""
+        return Order(text, voice, cast, speech.sampling, speech.max_new_tokens, self.limits, seconds,
+                     self.fixed_length, affinity(voice, cast))
 
     async def _body(self, request: Request, deadline: float) -> tuple[bytes, bool]:
         """`_read_body`, refused when the body has not arrived by the request's deadline or the server starts
@@ -217,7 +224,7 @@ class SpeechService:
         voice = self.voices[speech.voice]
         codes, text = (voice.codes, voice.text) if speech.voice != "default" else (speech.ref_codes, speech.ref_text)
         if speech.ref_audio is not None:
-            if self.engine.encoder is None:
+            if self.engine.no_encoder is not None:
                 raise ApiError(400, f"ref_audio cannot be encoded here: {self.engine.no_encoder}", "ref_audio",
                                "unsupported_parameter")
             if isinstance(speech.ref_audio, Path):  # errors name it below --ref-dir: the server's paths stay its own
@@ -227,7 +234,7 @@ class SpeechService:
                 read = partial(reference_audio_from_bytes, what="ref_audio")
             with field("ref_audio"):
                 audio = await run_in_threadpool(read, speech.ref_audio)
-                codes = await self.engine.call(encode_reference, audio, self.engine.encoder)
+                codes = await self.engine.encode(audio)
         if speech.ref_text is not None:
             with field("ref_text"):
                 self.tokenizer.encode(speech.ref_text, "ref_text")
@@ -235,34 +242,19 @@ class SpeechService:
                 for key, name in (speech.speakers or {}).items()}
         return Reference(codes, text), cast
 
-    async def _prompt(self, speech: Speech):
-        """(the first prompt, the script of the later segments or None) of the request (longform.plan_text)."""
-        voice, cast = await self.voice(speech)
-        with field("input"):
-            self.tokenizer.encode(speech.text, "input")  # its errors name the field; build_prompt's say "text"
-        plan = partial(plan_text, self.tokenizer, speech.text, voice, cast, self.engine.engine.max_prompt,
-                       self.limits.history)
-        with field(self.blamed(speech)):  # a long text's segments: tokenizing each holds the event loop
-            return plan() if len(speech.text) <= INLINE_PLAN_CHARS else await run_in_threadpool(plan)
+    # ---- response bodies (AudioResponse cancels the job when one stops early) ----
 
-    # ---- response bodies (AudioResponse cancels the request when one stops early) ----
-
-    def _stop(self, job, stream: AudioQueue) -> None:
-        if not job.finished:
-            stream.stopped = stream.stopped or "cancelled"
-            self.engine.scheduler.cancel(job)
-
-    async def _audio(self, stream: AudioQueue, job, speech: Speech, deadline: float):
+    async def _audio(self, job, speech: Speech, deadline: float):
         if speech.response_format == "wav":
             yield wav_header(None)
-        async for samples in stream.chunks(job, deadline):
+        async for samples in job.chunks(deadline):
             yield pcm16(samples)[0]
 
-    async def _whole_file(self, request: Request, stream: AudioQueue, job, speech: Speech, deadline: float):
+    async def _whole_file(self, request: Request, job, speech: Speech, deadline: float, headers: dict):
         """flac / mp3 / opus: nothing goes out before the file is complete, so a timeout or an engine failure is still
         an error status; a client that leaves cancels its request, as a streamed body's does."""
         async def collect() -> np.ndarray:
-            chunks = [samples async for samples in stream.chunks(job, deadline)]
+            chunks = [samples async for samples in job.chunks(deadline)]
             return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 
         async def disconnect() -> None:  # the body is read: the next message is the client leaving
@@ -276,16 +268,16 @@ class SpeechService:
                 return Response(status_code=400)  # nobody to answer
             audio = decoding.result()
         except Cut as e:
-            error = ApiError(504 if e.code == "timeout" else 500, str(e), None, e.code, "server_error")
-            return JSONResponse(error.body(), error.status)
+            status = CUT_STATUS.get(e.code, 500)
+            return JSONResponse(ApiError(status, str(e), None, e.code, "server_error").body(), status, headers=headers)
         finally:
             decoding.cancel()
             leaving.cancel()
-            self._stop(job, stream)
+            job.cancel()
         data = await run_in_threadpool(encode_file, audio, speech.response_format)
-        return Response(data, media_type=ENCODED[speech.response_format][2])
+        return Response(data, media_type=ENCODED[speech.response_format][2], headers=headers)
 
-    async def _sse(self, stream: AudioQueue, job, speech: Speech, deadline: float, input_tokens: int):
+    async def _sse(self, job, speech: Speech, deadline: float):
         def event(data: dict) -> bytes:
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
@@ -294,7 +286,7 @@ class SpeechService:
 
         header = wav_header(None) if speech.response_format == "wav" else b""
         try:
-            async for samples in stream.chunks(job, deadline):
+            async for samples in job.chunks(deadline):
                 yield delta(header + pcm16(samples)[0])
                 header = b""
         except Cut as e:
@@ -303,9 +295,9 @@ class SpeechService:
             return
         if header:  # no audio at all: a wav is still a wav
             yield delta(header)
-        rows = job.stream.total_rows
+        rows, prompt = job.total_rows, job.input_tokens
         yield event({"type": "speech.audio.done",
-                     "usage": {"input_tokens": input_tokens, "output_tokens": rows, "total_tokens": input_tokens + rows}})
+                     "usage": {"input_tokens": prompt, "output_tokens": rows, "total_tokens": prompt + rows}})
 
 
 class AudioResponse(StreamingResponse):
@@ -358,6 +350,10 @@ def create_app(service: SpeechService) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.router.redirect_slashes = False  # its 307 is built from the client's Host header, and says http behind TLS
     return BearerAuth(app, service.api_key) if service.api_key else app
+
+
+# A whole file's status when its audio stopped early: a timeout, a replica lost (cluster), else an engine failure.
+CUT_STATUS = {"timeout": 504, "replica_lost": 503}
 
 
 def busy(why: str) -> ApiError:

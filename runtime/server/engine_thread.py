@@ -1,25 +1,138 @@
-"""The one thread that touches the engine: it opens and warms it, encodes reference audio, and runs the scheduler's
-loop, sleeping on the scheduler's wakeup event when there is nothing to do. Other threads hand it work with call()."""
+"""The engine seam, and the one thread that owns this process's engine.
+
+The routes (app.py, text_stream.py, voice_routes.py) reach an engine through these calls and nothing else; EngineThread
+implements them for one engine in this process, runtime/cluster/ingress.py for engines in Ray Serve replicas:
+
+  ready, failure              a threading.Event set once the engine is loaded and warmed; why it cannot serve, or None
+  spec                        the engine's EngineSpec (backend, slots, max_prompt, max_seq): prompts are checked on it
+  capacity                    requests the engine takes at once: its queue and its slots
+  no_encoder                  why reference audio cannot be encoded here, or None
+  encode(audio)               awaitable: reference audio → codes
+  submit(order, limit, on_overflow)  awaitable: the order's Job, once the engine took it; raises QueueFull, or a
+                              HiggsError when the order's text or voice does not fit the engine
+  health()                    awaitable, once ready: /health's (status code, body)
+  metrics, exposition()       the registry the routes record into; awaitable: /metrics' text
+  start(), stop(), on_failure the app's lifespan; on_failure() is called once the engine cannot serve any more
+A Job (LocalJob here) is one request in flight: chunks(deadline), started(deadline), cancel(), feed(text, flush,
+finish), and what its answer reports: said, bounds, total_rows, prompt_tokens, input_tokens, submitted_at, replica.
+
+The engine thread opens and warms the engine, encodes reference audio between decode steps, and runs the scheduler's
+loop, sleeping on the scheduler's wakeup event when there is nothing to do. Other threads hand it work with call().
+"""
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import queue
 import threading
+from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
+from prometheus_client import generate_latest
+from starlette.concurrency import run_in_threadpool
 
 from higgs_trt.runtime.audio import encode_reference
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.longform import Reference, Script, plan_text
 from higgs_trt.runtime.prompt import build_prompt
 from higgs_trt.runtime.scheduler import Scheduler, freeze_heap, request_for
 from higgs_trt.runtime.wav import NON_FINITE
 
-from .voices import Voice
+from .audio_queue import AudioQueue
+from .limits import Limits
+from .metrics import Metrics
+from .voices import Voice, prepare_voices
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's logger for everything but access lines: one log, one format
 WARMUP_TEXT = "Hello."
+INLINE_PLAN_CHARS = 512  # longer texts are cut into segments in a worker thread
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the routes need to know of an engine: the prompt checks run against max_prompt and max_seq."""
+
+    name: str
+    max_batch: int
+    max_prompt: int
+    max_seq: int
+
+    @classmethod
+    def of(cls, engine) -> "EngineSpec":
+        return cls(engine.name, engine.max_batch, engine.max_prompt, engine.max_seq)
+
+
+@dataclass(frozen=True)
+class Order:
+    """A speech request as an engine takes it (sent whole to a replica in a cluster)."""
+
+    text: str | None  # None: the text streams in (Job.feed)
+    voice: Reference
+    cast: dict[str, Reference]  # dialogue: speaker tag → voice
+    sampling: Sampling
+    max_new_tokens: int
+    limits: Limits
+    seconds: float  # left until the request's deadline
+    fixed_rows: bool = False  # benchmarks: exactly max_new_tokens rows
+    affinity: str | None = field(default=None, compare=False)  # the reference's digest: one voice, one replica
+
+
+def affinity(voice: Reference, cast: dict[str, Reference]) -> str | None:
+    """A digest of the order's references (None for zero-shot): a cluster sends the orders of one voice to the replica
+    whose prefix cache holds it."""
+    references = [voice, *(cast[k] for k in sorted(cast))]
+    if all(r.codes is None for r in references):
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for r in references:
+        digest.update(b"-" if r.codes is None else np.ascontiguousarray(r.codes, np.int32).tobytes())
+        digest.update(b"\0" + (r.text or "").encode() + b"\0")
+    return digest.hexdigest()
+
+
+class LocalJob:
+    """A request in this process's scheduler, as the routes see it."""
+
+    replica = None
+
+    def __init__(self, scheduler: Scheduler, request, script: Script | None, stream: AudioQueue, input_tokens: int):
+        self.scheduler, self.request, self.script, self.stream = scheduler, request, script, stream
+        self.input_tokens = input_tokens  # the first prompt's
+        self.submitted_at = request.submitted_at
+
+    async def started(self, deadline: float) -> None:
+        """Its stream runs from submission on: nothing can lose it before its first chunk."""
+
+    def chunks(self, deadline: float):
+        return self.stream.chunks(self.request, deadline)
+
+    async def feed(self, text: str = "", flush: bool = False, finish: bool = False) -> None:
+        self.scheduler.feed_text(self.request, text, flush, finish)
+
+    def cancel(self) -> None:
+        """Stop it, however its body ended (the loop frees its slot at its next step); a no-op once finished."""
+        if not self.request.finished:
+            self.stream.stopped = self.stream.stopped or "cancelled"
+            self.scheduler.cancel(self.request)
+
+    @property
+    def said(self) -> list[str]:
+        return self.script.said if self.script is not None else []
+
+    @property
+    def bounds(self) -> list[int]:
+        return self.request.stream.bounds
+
+    @property
+    def total_rows(self) -> int:
+        return self.request.stream.total_rows
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.script.prompt_tokens if self.script is not None else self.input_tokens
 
 
 class EngineThread(threading.Thread):
@@ -31,13 +144,14 @@ class EngineThread(threading.Thread):
         self.open_engine, self.open_encoder, self.tokenizer, self.voices = open_engine, open_encoder, tokenizer, voices
         self.max_queue = max_queue
         self.stream_plan = stream_plan  # the codec's strides → the chunks' windows (None: exact, 8 frames then 25)
-        self.engine = self.scheduler = self.encoder = None
+        self.engine = self.scheduler = self.encoder = self.spec = None
         self.no_encoder: str | None = None  # why reference audio cannot be encoded
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.ready = threading.Event()
         self.failure: str | None = None
         self.stopping = False
         self.on_failure = lambda: None
+        self.metrics = Metrics(self)
 
     def run(self) -> None:
         try:
@@ -67,21 +181,13 @@ class EngineThread(threading.Thread):
 
     def _start(self) -> None:
         self.engine = self.open_engine()
+        self.spec = EngineSpec.of(self.engine)
         try:
             self.encoder = self.open_encoder()
         except HiggsError as e:
             self.no_encoder = str(e)
-        for name, voice in self.voices.items():
-            if voice.audio is not None:
-                if self.encoder is None:
-                    raise HiggsError(f"voice {name!r} is a recording, but: {self.no_encoder}")
-                voice.codes, voice.audio = encode_reference(voice.audio, self.encoder), None
-            if voice.codes is not None:  # a voice no request could use is refused now, not at each request
-                try:
-                    request_for(self.engine, build_prompt(self.tokenizer, WARMUP_TEXT, voice.codes, voice.text),
-                                Sampling(1.0))
-                except HiggsError as e:
-                    raise HiggsError(f"voice {name!r} does not fit this engine: {e}") from None
+        encode = partial(encode_reference, encoder=self.encoder) if self.encoder is not None else None
+        prepare_voices(self.voices, encode, self.no_encoder, self.spec, self.tokenizer)
         plan = self.stream_plan(self.engine.codec_strides) if self.stream_plan is not None else None
         self.scheduler = Scheduler(self.engine, plan, max_queue=self.max_queue)
         prompt = build_prompt(self.tokenizer, WARMUP_TEXT)
@@ -117,6 +223,37 @@ class EngineThread(threading.Thread):
                     future.set_result(fn(*args))
                 except Exception as e:
                     future.set_exception(e)
+
+    # ---- the seam ----------------------------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.max_queue + self.spec.max_batch
+
+    async def encode(self, audio) -> np.ndarray:
+        return await self.call(encode_reference, audio, self.encoder)
+
+    async def submit(self, order: Order, limit: int | None = None, on_overflow=None) -> LocalJob:
+        """The order planned (its segments), checked against the engine and queued; `limit` and `on_overflow`: the
+        audio a client may leave unread, and what happens past it (AudioQueue)."""
+        history = order.limits.history
+        if order.text is None:
+            prompt, script = None, Script(self.tokenizer, order.voice, order.cast or None, self.spec.max_prompt, history)
+        else:
+            plan = partial(plan_text, self.tokenizer, order.text, order.voice, order.cast, self.spec.max_prompt, history)
+            prompt, script = plan() if len(order.text) <= INLINE_PLAN_CHARS else await run_in_threadpool(plan)
+        stream = AudioQueue(asyncio.get_running_loop(), self.metrics, limit, on_overflow)
+        request = request_for(self.engine, prompt, order.sampling, hard_cap=order.max_new_tokens, script=script,
+                              max_seconds=order.limits.max_seconds, on_chunk=stream.chunk, on_done=stream.done)
+        request.fixed_rows = order.fixed_rows
+        self.scheduler.submit(request)
+        return LocalJob(self.scheduler, request, script, stream, len(prompt) if prompt is not None else 0)
+
+    async def health(self) -> tuple[int, dict]:
+        return 200, {"status": "ok", "backend": self.spec.name, "slots": self.spec.max_batch}
+
+    async def exposition(self) -> bytes:
+        return generate_latest(self.metrics.registry)
 
     def stop(self) -> None:
         self.stopping = True

@@ -1,5 +1,6 @@
 """The server's Prometheus metrics (`GET /metrics`): time to first audio, queue depth, busy slots, audio seconds,
-outcomes, and where the engine thread's time goes."""
+outcomes, and where the engine thread's time goes. In a cluster the ingress keeps the first two families (what happens
+before a request reaches an engine) and each replica the rest, shown with its replica label (runtime/cluster/)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -9,19 +10,22 @@ TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine=None):
+        """`engine`: the EngineThread whose requests and loop these count; None: the refusals and admission only."""
         r = self.registry = CollectorRegistry()
+        self.errors = Counter("higgs_errors", "Requests refused before admission, by error code", ["code"], registry=r)
+        self.admission = Histogram("higgs_admission_seconds", "From the request's handler starting to its admission "
+                                   "(reading and parsing the body, building the prompt, encoding reference audio)",
+                                   buckets=TTFA_BUCKETS, registry=r)
+        if engine is None:
+            return
         self.ttfa = Histogram("higgs_time_to_first_audio_seconds", "From admission to the first audio chunk (server "
                               "side)", buckets=TTFA_BUCKETS, registry=r)
         self.audio = Counter("higgs_audio_seconds", "Seconds of audio decoded for clients", registry=r)
         self.requests = Counter("higgs_requests", "Admitted requests by outcome (completed, failed, timeout, "
                                 "cancelled: the client went away)", ["outcome"], registry=r)
-        self.errors = Counter("higgs_errors", "Requests refused before admission, by error code", ["code"], registry=r)
         self.queue_wait = Histogram("higgs_queue_wait_seconds", "From admission to the prefill call that gives the "
                                     "request a slot", buckets=TTFA_BUCKETS, registry=r)
-        self.admission = Histogram("higgs_admission_seconds", "From the request's handler starting to its admission "
-                                   "(reading and parsing the body, building the prompt, encoding reference audio)",
-                                   buckets=TTFA_BUCKETS, registry=r)
 
         def scheduler(attribute):
             return lambda: getattr(engine.scheduler, attribute) if engine.scheduler is not None else 0

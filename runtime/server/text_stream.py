@@ -17,7 +17,8 @@ Server → client:
   connection stays open for the next one); {"type": "error", "message", "code"} and a close on any error.
 Where segments are cut depends only on the text (runtime/segment.py), so the audio equals that of the same text
 sent whole to POST /v1/audio/speech with the same seed. A client that stops reading is cut off once
-BUFFER_SECONDS of its audio wait unsent; one that leaves cancels its request at the engine's next step.
+BUFFER_SECONDS of its audio wait unsent; one that leaves cancels its request at the engine's next step. In a cluster
+an utterance's text goes to the replica that speaks it; a replica lost mid-utterance is an error message and a close.
 """
 
 import asyncio
@@ -28,12 +29,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from higgs_trt.runtime.decoding import SAMPLES_PER_FRAME
 from higgs_trt.runtime.errors import HiggsError
-from higgs_trt.runtime.longform import Script
-from higgs_trt.runtime.scheduler import QueueFull, request_for
+from higgs_trt.runtime.scheduler import QueueFull
 from higgs_trt.runtime.sinks import wav_header
 from higgs_trt.runtime.wav import SAMPLE_RATE, pcm16
 
-from .audio_queue import AudioQueue, Cut
+from .audio_queue import Cut
 from .speech_api import STREAMED, ApiError, Speech, parse_speech
 
 log = logging.getLogger("uvicorn.error")
@@ -50,52 +50,46 @@ class Refused(Exception):
 
 
 class Utterance:
-    """One utterance of a session: its request in the scheduler, and the task that sends its audio."""
+    """One utterance of a session: its job in the engine, and the task that sends its audio."""
 
-    def __init__(self, session: "Session", index: int):
-        self.session, self.index = session, index
-        service, speech = session.service, session.speech
-        self.script = Script(service.tokenizer, session.voice, session.cast or None, service.engine.engine.max_prompt,
-                             service.limits.history)
-        limit = int(BUFFER_SECONDS * SAMPLE_RATE)
-        self.stream = AudioQueue(asyncio.get_running_loop(), service.metrics, limit, self._overflow)
-        self.job = request_for(service.engine.engine, None, speech.sampling, hard_cap=speech.max_new_tokens,
-                               script=self.script, max_seconds=service.limits.max_seconds,
-                               on_chunk=self.stream.chunk, on_done=self.stream.done)
+    def __init__(self, session: "Session", index: int, job):
+        self.session, self.index, self.job = session, index, job
         self.chars, self.done = 0, False
-        self.deadline = asyncio.get_running_loop().time() + service.timeout
-        try:
-            service.engine.scheduler.submit(self.job)
-        except QueueFull as e:
-            raise Refused(f"{e}; retry shortly", "queue_full", CLOSE_BUSY) from None
+        self.deadline = asyncio.get_running_loop().time() + session.service.timeout
         self.sender = asyncio.ensure_future(self._send())
 
-    def feed(self, text: str = "", flush: bool = False, finish: bool = False) -> None:
+    @classmethod
+    async def start(cls, session: "Session", index: int) -> "Utterance":
+        """Its job submitted before any text: the engine speaks each segment as its text completes."""
+        service = session.service
+        order = service.order(session.speech, session.voice, session.cast, None, service.timeout)
+        try:
+            job = await service.engine.submit(order, int(BUFFER_SECONDS * SAMPLE_RATE), session.overflow)
+        except QueueFull as e:
+            raise Refused(f"{e}; retry shortly", "queue_full", CLOSE_BUSY) from None
+        except HiggsError as e:
+            raise Refused(str(e), "invalid_value") from None
+        return cls(session, index, job)
+
+    async def feed(self, text: str = "", flush: bool = False, finish: bool = False) -> None:
         self.chars += len(text)
         if self.chars > self.session.service.limits.max_input_chars:
             raise Refused(f"the utterance's text is over {self.session.service.limits.max_input_chars} characters "
                           "(the server's --max-input-chars)", "input_too_long")
         try:
-            self.session.service.engine.scheduler.feed_text(self.job, text, flush, finish)
+            await self.job.feed(text, flush, finish)
         except HiggsError as e:
             raise Refused(str(e), "invalid_value") from None
         self.done = self.done or finish
 
     def cancel(self) -> None:
-        if not self.job.finished:
-            self.stream.stopped = self.stream.stopped or "cancelled"
-            self.session.service.engine.scheduler.cancel(self.job)
+        self.job.cancel()
         self.sender.cancel()
-
-    def _overflow(self) -> None:
-        log.warning("websocket client not reading: cut off after %g s of unsent audio", BUFFER_SECONDS)
-        self.cancel()
-        self.session.cut_off()
 
     async def _send(self) -> None:
         """Each segment's audio between its audio.start and audio.done, then session.done."""
         ws, fmt = self.session.websocket, self.session.speech.response_format
-        said = self.script.said
+        said = self.job.said
         segment, position, open_ = 0, 0, False
 
         async def start() -> None:
@@ -114,8 +108,8 @@ class Utterance:
             open_, segment = False, segment + 1
 
         try:
-            async for samples in self.stream.chunks(self.job, self.deadline):
-                bounds = self.job.stream.bounds
+            async for samples in self.job.chunks(self.deadline):
+                bounds = self.job.bounds
                 while len(samples):
                     end_of_segment = bounds[segment] * SAMPLES_PER_FRAME if segment < len(bounds) else None
                     take = len(samples) if end_of_segment is None else min(len(samples), end_of_segment - position)
@@ -131,9 +125,8 @@ class Utterance:
         except Cut as e:
             await self.session.fail(str(e), e.code, CLOSE_FAILED)
             return
-        rows = self.job.stream.total_rows
-        usage = {"input_tokens": self.script.prompt_tokens, "output_tokens": rows,
-                 "total_tokens": self.script.prompt_tokens + rows}
+        rows, prompt = self.job.total_rows, self.job.prompt_tokens
+        usage = {"input_tokens": prompt, "output_tokens": rows, "total_tokens": prompt + rows}
         await ws.send_json({"type": "session.done", "utterance_index": self.index, "total_sentences": len(said),
                             "usage": usage})
         self.session.utterance = None
@@ -163,7 +156,11 @@ class Session:
             except (asyncio.TimeoutError, RuntimeError, OSError, WebSocketDisconnect):
                 pass  # the client has gone, or stopped reading
 
-    def cut_off(self) -> None:
+    def overflow(self) -> None:
+        """The client stopped reading: BUFFER_SECONDS of its audio wait unsent."""
+        log.warning("websocket client not reading: cut off after %g s of unsent audio", BUFFER_SECONDS)
+        if self.utterance is not None:
+            self.utterance.cancel()
         self.closed.set()
 
     async def fail(self, message: str, code: str, close: int) -> None:
@@ -215,7 +212,7 @@ class Session:
         elif kind == "session.close":
             self.closed.set()
         elif kind in ("input.text", "input.flush", "input.done"):
-            self._text(kind, data)
+            await self._text(kind, data)
         else:
             raise Refused(f"unknown message type {str(kind)[:40]!r} (session.config, input.text, input.flush, "
                           "input.done, session.close)", "unknown_type")
@@ -242,7 +239,7 @@ class Session:
             raise Refused(e.message, e.code) from None
         self.speech = speech
 
-    def _text(self, kind: str, data: dict) -> None:
+    async def _text(self, kind: str, data: dict) -> None:
         if self.speech is None:
             raise Refused(f"{kind} before session.config", "config_first")
         text = data.get("text", "") if kind == "input.text" else ""
@@ -251,9 +248,9 @@ class Session:
         if self.utterance is not None and self.utterance.done:
             raise Refused(f"{kind} after input.done: wait for session.done", "text_after_done")
         if self.utterance is None:
-            self.utterance = Utterance(self, self.count)
+            self.utterance = await Utterance.start(self, self.count)
             self.count += 1
-        self.utterance.feed(text, flush=kind == "input.flush", finish=kind == "input.done")
+        await self.utterance.feed(text, flush=kind == "input.flush", finish=kind == "input.done")
 
 
 async def speech_stream(service, websocket: WebSocket) -> None:

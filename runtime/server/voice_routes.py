@@ -3,7 +3,8 @@
   GET    /v1/audio/voices         every voice: {"voices": [names], "data": [{name, seconds, transcript, stored}]}
   POST   /v1/audio/voices         multipart: `name`, `audio` (the recording), optional `transcript`, `replace`
                                   (true to replace a voice of that name; else 409): checked like --ref-audio, encoded
-                                  once, stored under --voices DIR (voices.py) → 201 and the voice
+                                  once, stored under --voices DIR (voices.py) → 201 and the voice; in a cluster the
+                                  store is the ingress's and every request carries its voice's codes to a replica
   GET    /v1/audio/voices/{name}  one voice; 404 if none
   DELETE /v1/audio/voices/{name}  removes it and its files
 
@@ -20,16 +21,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from higgs_trt.runtime.audio import encode_reference, reference_audio_from_bytes
-from higgs_trt.runtime.decoding import Sampling
-from higgs_trt.runtime.prompt import build_prompt
-from higgs_trt.runtime.scheduler import request_for
+from higgs_trt.runtime.audio import reference_audio_from_bytes
 
 from .speech_api import ApiError, field
-from .voices import VoiceExists, VoiceMissing, check_name
+from .voices import VoiceExists, VoiceMissing, check_fits, check_name
 
 UPLOAD_FIELDS = {"name", "audio", "transcript", "replace"}
-CHECK_TEXT = "Hello."  # a voice must leave room for this beside it in the engine's prefill
 
 
 def voice_routes(service) -> list[Route]:
@@ -71,13 +68,12 @@ async def upload(service, request: Request) -> Response:
             raise ApiError(409, f"voice {name!r} exists; send replace=true to replace it", "name", "voice_exists")
         with field("audio"):
             reference = await run_in_threadpool(reference_audio_from_bytes, audio, "audio")
-        if service.engine.encoder is None:
+        if service.engine.no_encoder is not None:
             raise ApiError(400, f"audio cannot be encoded here: {service.engine.no_encoder}", "audio",
                            "unsupported_parameter")
         with field("audio"):  # a voice no request could use is refused now, not at each request
-            codes = await service.engine.call(encode_reference, reference, service.engine.encoder)
-            request_for(service.engine.engine, build_prompt(service.tokenizer, CHECK_TEXT, codes, transcript),
-                        Sampling())
+            codes = await service.engine.encode(reference)
+            check_fits(service.engine.spec, service.tokenizer, codes, transcript)
         with field("name"):
             voice = await run_in_threadpool(service.store.add, name, codes, transcript, replace)
     except VoiceExists as e:

@@ -17,16 +17,18 @@ from pathlib import Path
 import numpy as np
 
 from higgs_trt.runtime.audio import ReferenceAudio, load_reference_audio
-from higgs_trt.runtime.decoding import FRAMES_PER_SECOND
+from higgs_trt.runtime.decoding import FRAMES_PER_SECOND, Sampling
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.inputs import CODES_BYTES, input_file
 from higgs_trt.runtime.outputs import write_file
-from higgs_trt.runtime.prompt import check_reference_codes, check_text, load_reference_codes
+from higgs_trt.runtime.prompt import build_prompt, check_reference_codes, check_text, load_reference_codes
+from higgs_trt.runtime.scheduler import request_for
 
 VOICE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
 REFERENCES = (*AUDIO_SUFFIXES, ".npy", ".npz")
 UPLOADED = ".npz"
+CHECK_TEXT = "Hello."  # a voice must leave room for this beside it in the engine's prefill
 
 
 @dataclass
@@ -47,6 +49,27 @@ def check_name(name: str, what: str = "voice name") -> str:
         raise HiggsError(f"{what} {str(name)[:80]!r}: a voice name is 1–64 letters, digits, '_' or '-', and not "
                          "'default'")
     return name
+
+
+def check_fits(engine, tokenizer, codes: np.ndarray, text: str | None) -> None:
+    """A voice no request could use (its reference leaves no room in the engine's prefill) is refused up front, not
+    at each request; `engine`: anything with max_prompt and max_seq (an EngineSpec)."""
+    request_for(engine, build_prompt(tokenizer, CHECK_TEXT, codes, text), Sampling())
+
+
+def prepare_voices(voices: dict[str, Voice], encode, no_encoder: str | None, engine, tokenizer) -> None:
+    """When the engine is there: recorded voices encoded (`encode`: audio → codes; None: no encoder, `no_encoder`
+    says why) and every voice checked to fit the engine."""
+    for name, voice in voices.items():
+        if voice.audio is not None:
+            if encode is None:
+                raise HiggsError(f"voice {name!r} is a recording, but: {no_encoder}")
+            voice.codes, voice.audio = encode(voice.audio), None
+        if voice.codes is not None:
+            try:
+                check_fits(engine, tokenizer, voice.codes, voice.text)
+            except HiggsError as e:
+                raise HiggsError(f"voice {name!r} does not fit this engine: {e}") from None
 
 
 class VoiceStore:
