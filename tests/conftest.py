@@ -28,6 +28,16 @@ def tiny_engine(tiny_ckpt, tmp_path_factory) -> Path:
                          max_prompt=96, say=lambda msg: None)
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    """tiny_engine on ONNX Runtime through the host stepper: one per test module (its slots and prefix cache)."""
+    from higgs_trt.runtime.backends.ort import OrtBackend
+    from higgs_trt.runtime.manifest import EngineDir
+    from higgs_trt.runtime.stepper import HostStepper
+
+    return HostStepper(OrtBackend(EngineDir(tiny_engine)))
+
+
 @pytest.fixture(scope="session")
 def serve_engine(tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny checkpoint with a longer cache than tiny_engine's, so a served request can outlast a disconnect and a

@@ -7,24 +7,16 @@ import pytest
 import torch
 
 from higgs_trt.builder.checkpoint import Checkpoint
-from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.gpu.codec import CodecDecoder
 from higgs_trt.runtime.longform import Reference, Script, plan_text
-from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.prompt import REF_AUDIO, HiggsTokenizer, build_prompt
 from higgs_trt.runtime.scheduler import Scheduler, request_for
-from higgs_trt.runtime.stepper import HostStepper
 from higgs_trt.runtime.streaming import StreamPlan
 
 SENTENCES = " ".join(f"Sentence {i} is here." for i in range(32))
 ROWS = 16  # rows per segment: enough for frames on both sides of every seam, few enough for CI
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_engine):
-    return HostStepper(OrtBackend(EngineDir(tiny_engine)))
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,11 @@ not depend on when its rows were decoded; a request that would push the others u
 import numpy as np
 import pytest
 
-from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
-from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from higgs_trt.runtime.realtime import HEADROOM, SWAP_MARGIN, StepTimes, deadline
 from higgs_trt.runtime.scheduler import QueueFull, Scheduler, request_for
-from higgs_trt.runtime.stepper import HostStepper
 
 TEXTS = ["Hello there, how are you?", "She sells sea shells.", "Numbers: one, two, three.", "Wait, what? No way!"]
 ROWS = 100
@@ -49,11 +46,6 @@ class TimedSteps:
         launched = self.inner.step(n, rows)
         self.clock.now += self.per_slot * n * launched
         return launched
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_engine):
-    return HostStepper(OrtBackend(EngineDir(tiny_engine)))
 
 
 @pytest.fixture(scope="module")

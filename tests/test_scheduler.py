@@ -4,20 +4,13 @@ mid-flight, cancellation frees its slot within a step, the admission queue is bo
 import numpy as np
 import pytest
 
-from higgs_trt.runtime.backends.ort import OrtBackend
 from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime.generate import generate
-from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from higgs_trt.runtime.scheduler import MULTI_ROWS, QueueFull, Scheduler, request_for
 from higgs_trt.runtime.stepper import HostStepper
 
 TEXTS = ["Hello there, how are you?", "She sells sea shells.", "Numbers: one, two, three.", "Wait, what? No way!"]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_engine):
-    return HostStepper(OrtBackend(EngineDir(tiny_engine)))
 
 
 @pytest.fixture(scope="module")
