@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS ?= builder,ort,audio,compare,rtx,gpu,serve,test
+EXTRAS ?= builder,ort,audio,compare,rtx,gpu,serve,cluster,test
 DEMO_TEXT ?= Hello! This is Higgs Audio on a tiny random checkpoint.
 
 .PHONY: demo test install clean

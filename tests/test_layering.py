@@ -20,6 +20,7 @@ LAYER_OF_PREFIX = {
     "higgs_trt.calibration": "calibration",
     "higgs_trt.builder": "builder",
     "higgs_trt.runtime.server": "server",
+    "higgs_trt.runtime.cluster": "cluster",
     "higgs_trt.runtime.bench": "bench",
     "higgs_trt.runtime.cli": "cli",
 }
@@ -31,8 +32,9 @@ USES = {
     "calibration": {"base", "kernels", "backends"},
     "builder": {"base", "kernels", "backends", "calibration"},
     "server": {"base"},
+    "cluster": {"base", "server"},
     "bench": {"base", "kernels", "backends", "calibration", "builder", "server"},
-    "cli": {"base", "kernels", "backends", "calibration", "builder", "server", "bench"},
+    "cli": {"base", "kernels", "backends", "calibration", "builder", "server", "cluster", "bench"},
 }
 
 
@@ -117,6 +119,9 @@ def test_every_stage_module_has_a_layer_and_the_layers_form_no_cycle():
     ("higgs_trt.runtime.gpu.engine", "higgs_trt.calibration.qdq", False),
     ("higgs_trt.calibration.calibrate", "higgs_trt.builder.torch_backend", False),
     ("higgs_trt.runtime.server.app", "higgs_trt.runtime.backends.ort", False),
+    ("higgs_trt.runtime.cluster.replica", "higgs_trt.runtime.server.engine_thread", True),
+    ("higgs_trt.runtime.cluster.replica", "higgs_trt.runtime.backends.ort", False),
+    ("higgs_trt.runtime.server.app", "higgs_trt.runtime.cluster.ingress", False),
     ("higgs_trt.runtime.cli.build", "higgs_trt.builder.export", True),
 ])
 def test_the_rule_refuses_what_it_should(source, target, ok):
