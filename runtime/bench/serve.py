@@ -10,6 +10,10 @@ prefill calls the joins took, how long requests waited for a slot (submission �
 part of their first audio), and at the server their mean admission (the handler's start → submission: body, parsing,
 prompt) and first audio after it (submission → the first chunk handed to the event loop): the rest of the client's
 figure is HTTP, the event loop and the client.
+
+A cluster (`serve --cluster`) is measured the same way: its /metrics carries each replica's figures under a replica
+label, summed here over the replicas. Several servers (`--url` again) are measured level by level, one after another,
+and each level ends with every server's throughput and first audio against the first server's.
 """
 
 import asyncio
@@ -17,6 +21,7 @@ import re
 import time
 
 import aiohttp
+import numpy as np
 
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.scheduler import PHASES
@@ -41,11 +46,12 @@ async def _one(session: aiohttp.ClientSession, body: dict) -> tuple[float | None
     return (arrivals[0][0] - t0 if arrivals else None), arrivals, None
 
 
-async def _level(url: str, concurrency: int, requests: int, body) -> tuple[StreamFigures, list[str]]:
+async def _level(url: str, concurrency: int, requests: int, body, headers: dict) -> tuple[StreamFigures, list[str]]:
     # aiohttp, not httpx: at 64 streams on the H200's host httpx's client added ~200 ms to the mean first audio and
     # took 3.6 s for a level that a bare asyncio client finished in 2.9 s (.device measurement, 2026-12-01)
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600.0)) as session:
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600.0),
+                                     headers=headers) as session:
         pending = iter(range(requests))
         results = []
 
@@ -64,21 +70,29 @@ async def _level(url: str, concurrency: int, requests: int, body) -> tuple[Strea
                          late), errors
 
 
-LOOP_METRIC = re.compile(r'^higgs_(?:engine_loop_seconds\{phase="(\w+)"\}|(prefill_calls|codec_calls|codec_windows|'
-                         r'(?:admission|queue_wait|time_to_first_audio)_seconds_(?:sum|count))) (\S+)$', re.MULTILINE)
+LOOP_METRIC = re.compile(r'^higgs_(engine_loop_seconds|prefill_calls|codec_calls|codec_windows|'
+                         r'(?:admission|queue_wait|time_to_first_audio)_seconds_(?:sum|count))(?:\{([^}]*)\})? (\S+)$',
+                         re.MULTILINE)
+PHASE = re.compile(r'phase="(\w+)"')
 
 
 async def _loop_totals(session: aiohttp.ClientSession) -> dict[str, float]:
     """The server's engine-loop seconds by phase, its prefill and codec calls (and windows), and its requests'
-    admission, queue wait and first audio at the server (sum, count), since it started."""
+    admission, queue wait and first audio at the server (sum, count), since it started; a cluster's summed over its
+    replicas."""
     async with session.get("/metrics") as response:
         text = await response.text()
-    return {phase or name: float(value) for phase, name, value in LOOP_METRIC.findall(text)}
+    totals: dict[str, float] = {}
+    for name, labels, value in LOOP_METRIC.findall(text):
+        phase = PHASE.search(labels or "")
+        key = phase[1] if name == "engine_loop_seconds" and phase else name
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
 
 
-async def _wait_ready(url: str, wait: float, say) -> None:
-    """Until the server's /health is 200, saying every WAIT_REPORT_S that it still waits (a server that died at
-    start would otherwise leave the command silent for all of `wait`)."""
+async def _wait_ready(url: str, wait: float, say) -> dict:
+    """Until the server's /health is 200 (its body then), saying every WAIT_REPORT_S that it still waits (a server
+    that died at start would otherwise leave the command silent for all of `wait`)."""
     start = time.perf_counter()
     deadline, report = start + wait, start + WAIT_REPORT_S
     async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=5.0)) as session:
@@ -86,8 +100,9 @@ async def _wait_ready(url: str, wait: float, say) -> None:
             try:
                 async with session.get("/health") as r:
                     if r.status == 200:
-                        say(f"server ready: {await r.json()}")
-                        return
+                        health = await r.json()
+                        say(f"server ready: {health}")
+                        return health
                     status = f"{r.status} {(await r.text())[:200]}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 status = f"{type(e).__name__}"
@@ -100,36 +115,59 @@ async def _wait_ready(url: str, wait: float, say) -> None:
             await asyncio.sleep(1.0)
 
 
-def run_bench_serve(url: str, levels: list[int], requests: int, max_new_tokens: int, text: str, voice: str,
-                    wait: float, say, echo) -> None:
+def served_by(url: str, health: dict) -> str:
+    """A server's label in the figures: where it is and what serves it."""
+    replicas = health.get("replicas")
+    what = "one process" if replicas is None else f"cluster of {len(replicas)}"
+    return f"{url.split('://', 1)[-1]} ({what})"
+
+
+def run_bench_serve(urls: list[str], levels: list[int], requests: int, max_new_tokens: int, text: str, voice: str,
+                    wait: float, api_key: str | None, say, echo) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
     def body(seed: int) -> dict:
         return {"model": MODEL_ID, "input": text, "voice": voice, "response_format": "pcm",
                 "max_new_tokens": max_new_tokens, "seed": seed}
 
+    async def measure(url: str, c: int, label: str) -> StreamFigures:
+        await _level(url, c, c, body, headers)  # warm-up: the codec meets this level's window shapes first
+        async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=30.0), headers=headers) as metrics:
+            before = await _loop_totals(metrics)
+            figures, errors = await _level(url, c, requests or 2 * c, body, headers)
+            after = await _loop_totals(metrics)
+        delta = {name: after[name] - before.get(name, 0.0) for name in after}
+        figures.label = label
+        figures.phases = {phase: delta[phase] for phase in PHASES if phase in delta}
+        calls = delta.get("prefill_calls")  # None: a server without these metrics
+        figures.codec_calls = int(delta.get("codec_calls", 0))
+        figures.codec_windows = int(delta.get("codec_windows", 0))
+        mean_ms = {name: 1e3 * delta[f"{name}_seconds_sum"] / delta[f"{name}_seconds_count"]
+                   for name in ("admission", "queue_wait", "time_to_first_audio")
+                   if delta.get(f"{name}_seconds_count")}
+        figures.queue_wait_ms = mean_ms.get("queue_wait")
+        if "admission" in mean_ms and "time_to_first_audio" in mean_ms:
+            figures.server_ms = (mean_ms["admission"], mean_ms["time_to_first_audio"])
+        echo(figures.line() + (f"; {calls:.0f} prefill calls" if calls is not None else "")
+             + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
+        return figures
+
     async def main():
-        await _wait_ready(url, wait, say)
-        warm, errors = await _level(url, 1, 1, body)
-        if errors:
-            raise HiggsError(f"the warm-up request failed: {errors[0]}")
+        labels = []
+        for url in urls:
+            health = await _wait_ready(url, wait, say)
+            labels.append(served_by(url, health) if len(urls) > 1 else "")  # one server: lines as they always were
+            warm, errors = await _level(url, 1, 1, body, headers)
+            if errors:
+                raise HiggsError(f"the warm-up request to {url} failed: {errors[0]}")
         say(f"warm-up: {warm.audio_s:.2f} s of audio per request ({max_new_tokens} decode steps at most)")
-        async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=30.0)) as metrics:
-            for c in levels:
-                await _level(url, c, c, body)  # warm-up: the codec meets this level's window shapes first
-                before = await _loop_totals(metrics)
-                figures, errors = await _level(url, c, requests or 2 * c, body)
-                after = await _loop_totals(metrics)
-                delta = {name: after[name] - before.get(name, 0.0) for name in after}
-                figures.phases = {phase: delta[phase] for phase in PHASES if phase in delta}
-                calls = delta.get("prefill_calls")  # None: a server without these metrics
-                figures.codec_calls = int(delta.get("codec_calls", 0))
-                figures.codec_windows = int(delta.get("codec_windows", 0))
-                mean_ms = {name: 1e3 * delta[f"{name}_seconds_sum"] / delta[f"{name}_seconds_count"]
-                           for name in ("admission", "queue_wait", "time_to_first_audio")
-                           if delta.get(f"{name}_seconds_count")}
-                figures.queue_wait_ms = mean_ms.get("queue_wait")
-                if "admission" in mean_ms and "time_to_first_audio" in mean_ms:
-                    figures.server_ms = (mean_ms["admission"], mean_ms["time_to_first_audio"])
-                echo(figures.line() + (f"; {calls:.0f} prefill calls" if calls is not None else "")
-                     + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""))
+        for c in levels:
+            runs = [await measure(url, c, label) for url, label in zip(urls, labels)]
+            if len(runs) > 1:
+                first = runs[0]
+                echo(f"  concurrency {c} against {first.label}: " + ", ".join(
+                    f"{run.label} {run.audio_s / run.wall_s / (first.audio_s / first.wall_s):.2f}× audio-s/s, "
+                    f"{np.percentile(run.ttfa_ms, 50) / np.percentile(first.ttfa_ms, 50):.2f}× first audio p50"
+                    for run in runs[1:]))
 
     asyncio.run(main())

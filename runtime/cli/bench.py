@@ -251,7 +251,9 @@ def reference_voice(text: str, seconds: float):
 
 
 @bench.command("serve")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="A running `higgs-trt serve`.")
+@click.option("--url", "urls", multiple=True, default=["http://127.0.0.1:8000"], show_default=True,
+              help="A running `higgs-trt serve` (or `serve --cluster`); again for more servers, measured side by side "
+                   "level by level, each against the first.")
 @click.option("--concurrency", default="1,8,64", show_default=True, help="Closed-loop clients, one figure each.")
 @click.option("--requests", type=int, default=0, help="Requests per concurrency level [default: 2 × concurrency].")
 @click.option("--max-new-tokens", type=int, default=250, show_default=True,
@@ -261,13 +263,15 @@ def reference_voice(text: str, seconds: float):
 @click.option("--wait", type=float, default=600.0, show_default=True,
               help="Seconds (0 to 86400) to wait for the server's /health to turn 200 before measuring (saying every "
                    "30 s that it still waits).")
-def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
+@click.option("--api-key", envvar="HIGGS_API_KEY", help="The servers' --api-key (also from HIGGS_API_KEY).")
+def bench_serve(urls, concurrency, requests, max_new_tokens, text, voice, wait, api_key):
     """A running server measured at the client: streamed pcm over HTTP, audio-s/s and time to first audio p50/p95
-    per concurrency level (from sending the request to the first audio byte), underruns."""
+    per concurrency level (from sending the request to the first audio byte), underruns; several servers (a single
+    process, clusters of 1 and 2 replicas) side by side."""
     from higgs_trt.runtime.options import seconds_within, server_url, sizes, within
     from higgs_trt.runtime.prompt import check_text
 
-    url = server_url("--url", url)
+    urls = [server_url("--url", url) for url in urls]
     levels = sizes("--concurrency", concurrency, 4096)
     within("--requests", requests, 0, 100_000)
     within("--max-new-tokens", max_new_tokens, 8, 2048)
@@ -275,7 +279,7 @@ def bench_serve(url, concurrency, requests, max_new_tokens, text, voice, wait):
     check_text(text, "--text")  # here, not as 400s from the server after the wait for it
     with extras.needed("serve", "bench serve"):
         from higgs_trt.runtime.bench.serve import run_bench_serve
-    run_bench_serve(url, levels, requests, max_new_tokens, text, voice, wait, say=say, echo=click.echo)
+    run_bench_serve(urls, levels, requests, max_new_tokens, text, voice, wait, api_key, say=say, echo=click.echo)
 
 
 @bench.command("encode")
