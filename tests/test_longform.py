@@ -4,12 +4,9 @@ voice's latest segments; the reference prefix cache changes no number."""
 
 import numpy as np
 import pytest
-import torch
 
-from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
-from higgs_trt.runtime.gpu.codec import CodecDecoder
 from higgs_trt.runtime.longform import Reference, Script, plan_text
 from higgs_trt.runtime.prompt import REF_AUDIO, HiggsTokenizer, build_prompt
 from higgs_trt.runtime.scheduler import Scheduler, request_for
@@ -33,24 +30,20 @@ def speak(engine, tok, text, voice=Reference(), speakers=None, sampling=Sampling
     return request
 
 
-def test_thirty_segments_make_one_stream_whose_audio_has_no_seam(engine, tok, tiny_ckpt):
+def test_thirty_segments_make_one_stream_whose_audio_has_no_seam(engine, tok):
     """32 sentences: 32 segments in one request. The streamed audio is, sample for sample, what the exact windows make
-    of the concatenated frames as one utterance (segment boundaries are invisible to the decoder), and those windows
-    equal the one-shot decode of the whole stream (float64 codec)."""
+    of the concatenated frames as one utterance, the chunks ramping up again at each segment's start (segment
+    boundaries are invisible to the decoder). That those windows equal the one-shot decode of the whole stream, for
+    any frames and segment starts, is tests/test_streaming.py's (float64 codec)."""
     request = speak(engine, tok, SENTENCES)
     stream = request.stream
     frames = stream.frames()
-    assert stream.segments == 32 and len(frames) > 32 * 8
+    assert stream.segments == 32 and len(frames) > 32 * 8 and len(stream.bounds) == 32
     plan = StreamPlan.exact(engine.codec_strides)
-    windows = [engine.codec(frames[w.start:w.stop].T[None], w.keep).result()[0, 0]
-               for w in plan.windows(len(frames), tuple(stream.bounds))]
-    assert np.array_equal(request.audio(), np.concatenate(windows))
-    codec = CodecDecoder.from_checkpoint(Checkpoint(tiny_ckpt)).double()
-    with torch.no_grad():
-        whole = codec(torch.from_numpy(frames.T[None].astype(np.int64))).numpy()[0, 0]
-        parts = [codec(torch.from_numpy(frames[w.start:w.stop].T[None].astype(np.int64)), w.keep).numpy()[0, 0]
-                 for w in plan.windows(len(frames), tuple(stream.bounds))]
-    assert np.abs(np.concatenate(parts) - whole).max() < 1e-12 * (1 + np.abs(whole).max())
+    windows = plan.windows(len(frames), tuple(stream.bounds))
+    assert sum(w.emit_to == b + plan.first for w in windows for b in stream.bounds) >= 16  # ramps at the seams
+    audio = [engine.codec(frames[w.start:w.stop].T[None], w.keep).result()[0, 0] for w in windows]
+    assert np.array_equal(request.audio(), np.concatenate(audio))
 
 
 def test_each_segment_carries_its_voice_and_its_latest_segments(tok):
