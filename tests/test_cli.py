@@ -198,6 +198,24 @@ def test_bench_stream_carries_a_reference_on_request(tiny_engine):
         assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_bench_stream_puts_each_feature_beside_the_plain_request(tiny_engine):
+    """--segments, --voice and --text-rate each measure the feature and the plain request in one run, with the
+    ratio; they are separate benchmarks."""
+    base = ["bench", "stream", "--engine", tiny_engine, "--concurrency", 1, "--requests", 1, "--rows", 16]
+    r = higgs_in_process(*base, "--segments", 3)
+    labels = [line.split(",")[0] for line in r.stdout.splitlines()]
+    assert r.exit_code == 0 and labels[:2] == ["1 segment", "3 segments"], r.output
+    assert re.search(r"against the 1 segment: 3 segments [\d.]+×", r.stdout), r.stdout
+    r = higgs_in_process(*base, "--voice", "--ref-seconds", 1)
+    labels = [line.split(", concurrency")[0] for line in r.stdout.splitlines()[:3]]
+    assert labels == ["default voice", "1 s voice, cache off", "1 s voice, cache on"], r.output
+    r = higgs_in_process("bench", "stream", "--engine", tiny_engine, "--rows", 16, "--text-rate", 5000, "--segments", 2)
+    assert r.exit_code == 0 and r.stdout.startswith("text at 5000 chars/s, 2 segments"), r.output
+    assert re.search(r"cut → first audio p50 +[\d.]+ ms, the segment's prompt one-shot +[\d.]+ ms", r.stdout), r.stdout
+    r = higgs("bench", "stream", "--engine", tiny_engine, "--voice", "--segments", 2)
+    assert r.returncode == 1 and "separate benchmarks" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_bench_decode_on_an_engine_with_few_slots_runs_with_the_defaults(tiny_engine):
     """The default batch sizes (1, 8, 64) are for the GPU engine; a host-driven engine with 4 slots takes 4."""
     r = higgs("bench", "decode", "--engine", tiny_engine, "--rows", 8, "--repeats", 1)
