@@ -280,12 +280,12 @@ def quantize_rows(x, out, scale, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.c
 # Launched on slices that start at any slot and for any number of slots (a run of joins): unspecialized on both, as
 # Triton would otherwise compile a variant per pointer alignment and count (~0.5 s each, on the request path).
 @triton.jit(do_not_specialize=["n"],
-            do_not_specialize_on_alignment=["write_pos", "row_index", "end_frame", "end_next", "active"])
-def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq, BLOCK: tl.constexpr,
+            do_not_specialize_on_alignment=["write_pos", "row_index", "end_frame", "end_next", "active", "limit"])
+def advance_slots(write_pos, row_index, end_frame, end_next, active, limit, n, BLOCK: tl.constexpr,
                   PDL: tl.constexpr = False):
     """After a step (or a prefill's first row): every active slot moves to its next row; its end frame takes what
-    the step found. Positions saturate at the cache's last row, so a slot whose stop the host has not yet read
-    keeps rewriting one row instead of running past the cache."""
+    the step found. Positions saturate at the last of the slot's `limit` positions (the cache it holds), so a slot
+    whose stop the host has not yet read keeps rewriting one row instead of running past its cache."""
     await_inputs(PDL)
     b = tl.arange(0, BLOCK)
     inside = b < n
@@ -294,7 +294,7 @@ def advance_slots(write_pos, row_index, end_frame, end_next, active, n, max_seq,
     tl.store(end_frame + b, tl.load(end_next + b, mask=keep), mask=keep)
     tl.store(row_index + b, tl.load(row_index + b, mask=keep) + 1, mask=keep)
     pos = tl.load(write_pos + b, mask=keep)
-    tl.store(write_pos + b, tl.minimum(pos + 1, max_seq - 1), mask=keep)
+    tl.store(write_pos + b, tl.minimum(pos + 1, tl.load(limit + b, mask=keep) - 1), mask=keep)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ bf16 cos/sin table at position write_pos[b] + s, in fp32 with one rounding to bf
 written into the key cache at that position and v rows into the value cache (in place; rows at or past max_seq are
 dropped). qk_norm_rope_kv_write is the GPU engine's form for a prefill: it reads the fused q|k|v projection rows,
 applies the per-head q/k RMSNorm first (a decode step does the same inside attention.decode_attention_split) and
-writes each prompt's keys and values straight into its slot's cache rows."""
+writes each prompt's keys and values straight into its slot's pages (the paged cache: plugins/attention.py)."""
 
 import triton
 import triton.language as tl
@@ -66,13 +66,14 @@ def rope_kv_write(q, k, v, cos, sin, write_pos, k_cache_in, v_cache_in,
 
 
 @triton.jit
-def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, slots, q_out, k_cache, v_cache, seq, max_seq,
-                          eps, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, slots, last, pages, q_out, k_cache, v_cache, seq,
+                          max_seq, eps, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                          PAGE: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (batch row, new position). qkv [B·S, (Hq + 2·Hkv)·D] is the fused projection's output;
-    q_out [B·S, Hq·D] gets q normalised and rotated; k (normalised, rotated) and v go into cache row slots[b] of the
-    caches [rows, Hkv, max_seq, D] at position write_pos[b] + s (slots[b] < 0: nowhere, a prompt that only fills a
-    launch up)."""
+    q_out [B·S, Hq·D] gets q normalised and rotated; k (normalised, rotated) and v go into slot slots[b] at position
+    write_pos[b] + s: the paged caches [pages, Hkv, PAGE, D] through the page table pages [slots, ⌈max_seq / PAGE⌉].
+    Only a prompt's own rows (B·S row index up to last[b]) are stored: padding rows past it could reach positions
+    past the slot's pages. slots[b] < 0: nowhere, a prompt that only fills a launch up."""
     await_inputs(PDL)
     bs = tl.program_id(0)
     b = bs // seq
@@ -97,8 +98,10 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, write_pos, slots, q_out
 
     hk = tl.arange(0, triton.next_power_of_2(KV_HEADS))[:, None]
     heads = hk < KV_HEADS
-    keep = heads & inside & ((d * 0 + slot) >= 0)
-    dst = ((tl.maximum(slot, 0) * KV_HEADS + hk) * max_seq + pos) * D
+    keep = heads & inside & ((d * 0 + slot) >= 0) & ((d * 0 + bs) <= tl.load(last + b))
+    max_pages = (max_seq + PAGE - 1) // PAGE
+    page = tl.load(pages + tl.maximum(slot, 0) * max_pages + tl.minimum(pos, max_seq - 1) // PAGE).to(tl.int64)
+    dst = ((page * KV_HEADS + hk) * PAGE + pos % PAGE) * D
     k_src = src + Q_HEADS * D + hk * D
     x1, x2 = head_norm(tl.load(k_src + d, mask=heads, other=0.0).to(tl.float32),
                         tl.load(k_src + HALF + d, mask=heads, other=0.0).to(tl.float32), k_norm, eps, d, HALF)

@@ -87,9 +87,26 @@ def test_codec_snake_on_the_gpu_equals_its_formula():
     assert (got - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((got - ref).abs().max())
 
 
+def paged(caches, page, seed=0):
+    """Contiguous caches [B, Hkv, S, D] as a pool of pages in scrambled order and the page table naming each row's."""
+    b, h, s, d = caches.shape
+    width = s // page
+    table = torch.randperm(b * width, generator=torch.Generator().manual_seed(seed)).view(b, width).int()
+    pool = torch.empty(b * width, h, page, d, dtype=caches.dtype, device=caches.device)
+    pool[table.flatten().long()] = caches.view(b, h, width, page, d).transpose(1, 2).reshape(b * width, h, page, d)
+    return pool, table.to(caches.device)
+
+
+def unpaged(pool, table):
+    (b, width), (_, h, page, d) = table.shape, pool.shape
+    return pool[table.flatten().long()].view(b, width, h, page, d).transpose(1, 2).reshape(b, h, width * page, d)
+
+
 def test_decode_attention_at_higgs_dimensions():
     """decode_attention_split from the q|k|v row: the new key and value written at each row's position, attention
-    over the prefix against fp32, and the same bits alone and in the batch, with 2 or 3 pipeline stages."""
+    over the prefix against fp32, and the same bits alone and in the batch, with 2 or 3 pipeline stages; over the
+    engine's paged caches (pages of 64 scrambled in a pool), the same bits out and written, with per-thread loads,
+    TMA or the L2 prefetch."""
     from decode_rows import decode_rows
 
     from higgs_trt.plugins import attention, rope
@@ -102,9 +119,13 @@ def test_decode_attention_at_higgs_dimensions():
     chunks = -(-S_MAX // ATTENTION_CHUNK)
     cuda = {name: t.cuda() for name, t in dict(qkv=qkv, qn=qn, kn=kn, cos=cos, sin=sin, kc=kc, vc=vc, pos=pos).items()}
 
-    def attend(rows, stages=3, tma=False):
+    def attend(rows, stages=3, tma=False, page=0, prefetch=False):
         out = torch.full((len(rows), HQ * D), float("nan"), device="cuda").bfloat16()
         kc2, vc2 = cuda["kc"][rows].clone(), cuda["vc"][rows].clone()
+        paging = {}
+        if page:
+            (kc2, table), (vc2, _) = paged(kc2, page), paged(vc2, page)
+            paging = dict(pages=table, active=torch.ones(len(rows), dtype=torch.int32, device="cuda"), PAGE=page)
         parts = torch.empty(len(rows), HQ, chunks, D, device="cuda")
         stats = torch.empty(len(rows), HQ, chunks, 2, device="cuda")
         tickets = torch.zeros(len(rows) * HKV, device="cuda", dtype=torch.int32)
@@ -113,9 +134,11 @@ def test_decode_attention_at_higgs_dimensions():
             cuda["qkv"][rows], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], kc2, vc2, cuda["pos"][rows], out,
             parts, stats, tickets, S_MAX, 1e-6, 1.0, Q_HEADS=HQ, KV_HEADS=HKV, HEAD_DIM=D, CHUNK=ATTENTION_CHUNK,
             BLOCK_S=ATTENTION_BLOCK, MAX_CHUNKS=chunks, num_stages=stages,
-            num_warps=ATTENTION_WARPS, **descriptors)
+            num_warps=ATTENTION_WARPS, PREFETCH=prefetch, **descriptors, **paging)
         torch.cuda.synchronize()
         assert not tickets.any()
+        if page:
+            kc2, vc2 = unpaged(kc2, table), unpaged(vc2, table)
         return out.cpu(), kc2.cpu(), vc2.cpu()
 
     everyone = list(range(b))
@@ -123,9 +146,11 @@ def test_decode_attention_at_higgs_dimensions():
     # q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested against the formula in CI): the reference
     # attention starts from it, so that the bounds below measure attention, not q's roundings
     q_chain = torch.empty(b, HQ * D, device="cuda").bfloat16()
+    (k_pool, table), (v_pool, _) = paged(cuda["kc"].clone(), 64), paged(cuda["vc"].clone(), 64)
+    rows = torch.arange(b, device="cuda")
     rope.qk_norm_rope_kv_write[(b,)](
-        cuda["qkv"], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], cuda["pos"], torch.arange(b, device="cuda"),
-        q_chain, cuda["kc"].clone(), cuda["vc"].clone(), 1, S_MAX, 1e-6, Q_HEADS=HQ, KV_HEADS=HKV, HALF=D // 2)
+        cuda["qkv"], cuda["qn"], cuda["kn"], cuda["cos"], cuda["sin"], cuda["pos"], rows, rows, table, q_chain,
+        k_pool, v_pool, 1, S_MAX, 1e-6, Q_HEADS=HQ, KV_HEADS=HKV, HALF=D // 2, PAGE=64)
     q_chain = q_chain.cpu().view(b, HQ, D)
     for i, n in enumerate(lengths):
         kb = k_ref[i]
@@ -146,6 +171,11 @@ def test_decode_attention_at_higgs_dimensions():
     assert torch.equal(by_tma, got)
     assert torch.equal(kc3.view(torch.int16), kc2.view(torch.int16))
     assert torch.equal(vc3.view(torch.int16), vc2.view(torch.int16))
+    for page, tma, prefetch in ((64, False, False), (64, True, False), (128, False, True)):
+        by_page, kc3, vc3 = attend(everyone, stages=2, tma=tma, page=page, prefetch=prefetch)
+        assert torch.equal(by_page, got), (page, tma, prefetch)
+        assert torch.equal(kc3.view(torch.int16), kc2.view(torch.int16))
+        assert torch.equal(vc3.view(torch.int16), vc2.view(torch.int16))
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +185,23 @@ def tiny(tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
 
 
-def open_engine(ckpt_dir, max_batch=8, amax=None):
+def open_engine(ckpt_dir, max_batch=8, amax=None, cache_pages=None):
+    """The tiny engine as `run` opens it: graphs, a cache of `cache_pages` pages (None: the default budget)."""
     from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.runtime.gpu.engine import load_gpu_engine
+    from higgs_trt.runtime.gpu.kv_pages import PAGE, position_bytes
 
-    return load_gpu_engine(Checkpoint(ckpt_dir), max_seq=512, max_batch=max_batch, max_prompt=128, act_amax=amax)
+    source = Checkpoint(ckpt_dir)
+    gib = None if cache_pages is None else cache_pages * PAGE * position_bytes(source.config) / (1 << 30)
+    return load_gpu_engine(source, max_seq=512, max_batch=max_batch, max_prompt=128, act_amax=amax, cache_gib=gib)
+
+
+def slot_cache(engine, slot, n):
+    """The slot's first n positions [layers, K/V, Hkv, n, D], read through its page table."""
+    kv = engine.kv
+    pages = kv.pool.index_select(2, kv.table[slot, :-(-n // kv.page)].long())
+    layers, _, count, heads, page, d = pages.shape
+    return pages.permute(0, 1, 3, 2, 4, 5).reshape(layers, 2, heads, count * page, d)[:, :, :, :n]
 
 
 def test_captured_codec_windows_equal_the_eager_codec(tiny):
@@ -420,7 +462,7 @@ def test_the_prefix_cache_changes_no_code_and_a_hit_prefills_only_the_text(tiny,
     engine.prefill([(0, ps[0], Sampling())])
     engine.prefill([(1, part, Sampling())])
     torch.cuda.synchronize()
-    assert torch.equal(engine.caches[:, :, 0, :, :n], engine.caches[:, :, 1, :, :n])
+    assert torch.equal(slot_cache(engine, 0, n), slot_cache(engine, 1, n))
     engine.rows()
     engine.release(0)
     engine.release(1)
@@ -543,3 +585,64 @@ def test_codec_graphs_cover_every_window_of_the_plan(tiny):
     Scheduler(engine, StreamPlan.exact(engine.codec_strides, first=2))
     assert {frames for _, (frames, _) in engine.codec_calls.graphs} == {12, 18, 20, 43, 45}
     assert {n for n, (frames, _) in engine.codec_calls.graphs if frames == 12} == set(engine.codec_calls.buckets)
+
+
+def fixed_engine(ckpt_dir, amax=None):
+    """The tiny engine as open_engine's, but with fixed slots: a page of max_seq each, the cache layout before
+    paging."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.runtime.config import lm_tensor_shapes
+    from higgs_trt.runtime.gpu.codec import CodecDecoder
+    from higgs_trt.runtime.gpu.engine import GpuEngine
+
+    source = Checkpoint(ckpt_dir)
+    codec = CodecDecoder.from_checkpoint(source).channels_last().to("cuda")
+    codec.fp16()
+    return GpuEngine(source.config, source.take(lm_tensor_shapes(source.config), "language model"), max_seq=512,
+                     max_batch=8, max_prompt=128, act_amax=amax, codec=codec, page=512)
+
+
+@pytest.mark.parametrize("temperature, precision", [(0.0, "bf16"), (1.0, "bf16"), (0.0, "fp8")])
+def test_paged_slots_decode_as_fixed_slots(tiny, temperature, precision):
+    """With graphs: 8 requests (5 in one cloned voice, 3 zero-shot) decoded at once in fixed slots, and through a
+    paged cache of 10 pages (pages handed out in a random order) that holds two of them at a time: the others wait
+    for pages, not slots, and join mid-flight into pages that others released, their voice's reference part from
+    the prefix cache. Every request's codes are the same, and no join compiles anything."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.torch_backend import bf16_reference
+    from higgs_trt.calibration.calibrate import calibrate
+    from higgs_trt.runtime.decoding import Sampling
+    from higgs_trt.runtime.scheduler import Scheduler, request_for
+
+    amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
+    texts = ["Hello there, how are you doing today?", "She sells sea shells.", "Numbers: one, two, three.",
+             "Wait... what? No way!", "A journey of a thousand miles.", "It was 3:45 pm.", "Text to speech.",
+             "Can you call me back?"]
+    ps = cloned_prompts(tiny, texts[:5], 40, "Words of the reference.") + prompts(tiny, texts[5:])
+    sampling = [Sampling(temperature, top_k=50 if temperature else 0, top_p=0.95 if temperature else 1.0, seed=i)
+                for i in range(len(ps))]
+
+    def decoded(engine, check=lambda scheduler: None):
+        scheduler = Scheduler(engine)
+        requests = [scheduler.submit(request_for(engine, p, s, hard_cap=120)) for p, s in zip(ps, sampling)]
+        scheduler.step()
+        check(scheduler)
+        scheduler.run()
+        return [np.stack(r.utterance.rows) for r in requests]
+
+    fixed = decoded(fixed_engine(tiny, amax))
+    engine = open_engine(tiny, amax=amax, cache_pages=10)
+    engine.kv.free = [int(p) for p in np.random.default_rng(0).permutation(engine.kv.pages)]
+    assert all(len(p) + 120 <= 4 * 64 for p in ps)  # a request holds at most 4 pages: 2 fit at once
+
+    def waits_for_pages(scheduler):
+        assert len(scheduler.occupied) == 2 and len(scheduler.queue) == 6
+        waits_for_pages.before = compiled_variants()
+
+    paged = decoded(engine, waits_for_pages)
+    torch.cuda.synchronize()
+    assert compiled_variants() == waits_for_pages.before and engine.prefixes.hits >= 3
+    assert len(engine.kv.free) == 10
+    for a, b in zip(fixed, paged, strict=True):
+        assert np.array_equal(a, b)
+

@@ -258,10 +258,11 @@ engine_kernels.rms_norm[(5,)](x, w, codes, 1e-6, 0.01, H=48, BLOCK=64, OUT_FP8=T
 expected = (out.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
 assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
 
-pos, row = torch.tensor([5, 9, 127, 3]), torch.tensor([1, 2, 3, 4])
+pos, row = torch.tensor([5, 9, 40, 3]), torch.tensor([1, 2, 3, 4])
 end, nxt, active = torch.full((4,), 1 << 40), torch.tensor([7, 8, 9, 10]), torch.tensor([1, 0, 1, 1], dtype=torch.int32)
-engine_kernels.advance_slots[(1,)](pos, row, end, nxt, active, 3, 128, BLOCK=16)
-assert pos.tolist() == [6, 9, 127, 3]  # inactive stays; the last cache row is kept; slot 3 is past n
+limit = torch.tensor([128, 128, 41, 128])  # positions each slot's pages hold
+engine_kernels.advance_slots[(1,)](pos, row, end, nxt, active, limit, 3, BLOCK=16)
+assert pos.tolist() == [6, 9, 40, 3]  # inactive stays; the last row of a slot's own pages is kept; slot 3 is past n
 assert row.tolist() == [2, 2, 4, 4] and end.tolist() == [7, 1 << 40, 9, 1 << 40]
 """)
 
@@ -288,10 +289,33 @@ assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), float((out - ref
 """)
 
 
+PAGED = """
+def paged(caches, page, spare=0, seed=0):
+    # contiguous caches [B, Hkv, S, D] as a pool of pages in scrambled order, with `spare` pages nobody holds (NaN),
+    # and the page table [B, S / page] naming each row's pages
+    b, h, s, d = caches.shape
+    width = s // page
+    order = torch.randperm(b * width + spare, generator=torch.Generator().manual_seed(seed))
+    table = order[:b * width].view(b, width).int()
+    pool = torch.full((b * width + spare, h, page, d), float("nan")).bfloat16()
+    pool[table.flatten().long()] = caches.view(b, h, width, page, d).transpose(1, 2).reshape(b * width, h, page, d)
+    return pool, table
+
+def unpaged(pool, table):
+    # each row's pages back in its order [B, Hkv, S, D]
+    (b, width), (_, h, page, d) = table.shape, pool.shape
+    return pool[table.flatten().long()].view(b, width, h, page, d).transpose(1, 2).reshape(b, h, width * page, d)
+
+def same_bits(a, b):  # NaN where the other has NaN
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+"""
+
+
 def test_qk_norm_rope_kv_write_matches_the_reference():
-    """Each prompt's q, and its keys and values written into its own cache row (slot) at its positions; a prompt of
-    slot -1 (one filling a launch up) writes nothing."""
-    run("""
+    """Each prompt's q, and its keys and values written into its own slot's pages (scrambled in the pool) at its
+    positions; nothing else in the pool changes: not a padding row past a prompt's own (which could reach past its
+    slot's pages), not a prompt of slot -1 (one filling a launch up), not a page no slot holds."""
+    run(PAGED + """
 from higgs_trt.runtime.config import HiggsConfig
 from higgs_trt.builder.model import RMSNorm
 from higgs_trt.plugins.rope_table import rope_table
@@ -303,10 +327,16 @@ qkv = torch.randn(B * S, (Hq + 2 * Hkv) * D).bfloat16()
 qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
 qn.weight.data, kn.weight.data = (1 + 0.1 * torch.randn(D)).bfloat16(), (1 + 0.1 * torch.randn(D)).bfloat16()
 wp, slots = torch.tensor([0, SM - S, 5]), torch.tensor([1, 0, -1])
+last = torch.tensor([S - 1, S + S - 2, 2 * S + S - 1])  # prompt 1's last row is padding
 kc, vc = torch.randn(2, Hkv, SM, D).bfloat16(), torch.randn(2, Hkv, SM, D).bfloat16()
-kc2, vc2, q_out = kc.clone(), vc.clone(), torch.empty(B * S, Hq * D).bfloat16()
-rope.qk_norm_rope_kv_write[(B * S,)](qkv, qn.weight, kn.weight, cos, sin, wp, slots, q_out, kc2, vc2, S, SM, 1e-6,
-                                        Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
+(k_pool, table), (v_pool, _) = paged(kc, 8, spare=3), paged(vc, 8, spare=3)
+k_pool2, v_pool2, q_out = k_pool.clone(), v_pool.clone(), torch.empty(B * S, Hq * D).bfloat16()
+rope.qk_norm_rope_kv_write[(B * S,)](qkv, qn.weight, kn.weight, cos, sin, wp, slots, last, table, q_out, k_pool2,
+                                        v_pool2, S, SM, 1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2, PAGE=8)
+kc2, vc2 = unpaged(k_pool2, table), unpaged(v_pool2, table)
+spare = torch.ones(len(k_pool), dtype=torch.bool)
+spare[table.flatten().long()] = False
+assert spare.sum() == 3 and k_pool2[spare].isnan().all() and v_pool2[spare].isnan().all()
 x = qkv.view(B, S, -1)
 q = qn(x[..., :Hq * D].reshape(B, S, Hq, D)).transpose(1, 2)
 k = kn(x[..., Hq * D:(Hq + Hkv) * D].reshape(B, S, Hkv, D)).transpose(1, 2)
@@ -318,14 +348,14 @@ ulp = lambda t: t.abs().clamp(min=2 ** -20) * 2 ** -8  # half of one: a rounding
 got_q = q_out.view(B, S, Hq, D).transpose(1, 2).float()
 bound = 4 * ulp(q_ref.abs() + torch.cat([q_ref[..., D // 2:], q_ref[..., :D // 2]], -1).abs())  # norm, then rotation
 assert ((got_q - q_ref).abs() <= bound).all(), float((got_q - q_ref).abs().max())
-for b in range(2):
+for b, rows in ((0, S), (1, S - 1)):
     row = int(slots[b])
-    got_k = kc2[row, :, wp[b]:wp[b] + S].float()
-    kb = k_ref[b]
+    got_k = kc2[row, :, wp[b]:wp[b] + rows].float()
+    kb = k_ref[b, :, :rows]
     assert ((got_k - kb).abs() <= 4 * ulp(kb.abs() + torch.cat([kb[..., D // 2:], kb[..., :D // 2]], -1).abs())).all()
-    assert torch.equal(vc2[row, :, wp[b]:wp[b] + S], v[b])
+    assert torch.equal(vc2[row, :, wp[b]:wp[b] + rows], v[b, :, :rows])
     untouched = torch.ones(SM, dtype=torch.bool)
-    untouched[wp[b]:wp[b] + S] = False
+    untouched[wp[b]:wp[b] + rows] = False
     assert torch.equal(kc2[row, :, untouched], kc[row, :, untouched])
     assert torch.equal(vc2[row, :, untouched], vc[row, :, untouched])
 """)
@@ -362,16 +392,25 @@ def reference(q, kc, vc, lengths):
 
 
 def test_split_decode_attention_writes_the_new_key_and_reads_only_each_prefix():
-    run(ATTENTION + ROTATED + """
+    """decode_attention_split against the formula over contiguous caches [B, Hkv, S, D]; over the engine's paged
+    caches (each row's pages scrambled in one pool, with pages nobody holds) the same bits out and the same keys
+    and values written, by per-thread loads or TMA, bf16 or FP8 out; a row whose slot is not active neither writes
+    nor reads."""
+    run(ATTENTION + ROTATED + PAGED + """
 from higgs_trt.runtime.gpu.engine import attention_tma
 lengths = [1, 17, 40, 96, 65]
 B = len(lengths)
 qkv, qn, kn, cos, sin, kc, vc, pos, k_ref, v = decode_rows(lengths, Hq, Hkv, D, SM)
 chunk = 16
 chunks = -(-SM // chunk)
-def attend(rows, fp8_scale=None, tma=False):
+def attend(rows, fp8_scale=None, tma=False, page=0, idle=()):
     b = len(rows)
     kc2, vc2 = kc[rows].clone(), vc[rows].clone()
+    paging = {}
+    if page:
+        (kc2, table), (vc2, _) = paged(kc2, page, spare=4), paged(vc2, page, spare=4)
+        active = torch.tensor([r not in idle for r in range(b)], dtype=torch.int32)
+        paging = dict(pages=table, active=active, PAGE=page)
     out = torch.full((b, Hq * D), float("nan")).bfloat16()
     if fp8_scale:  # the FP8 o projection's input: the bf16 result quantized here
         out = torch.zeros(b, Hq * D, dtype=torch.float8_e4m3fn)
@@ -381,8 +420,13 @@ def attend(rows, fp8_scale=None, tma=False):
     attention.decode_attention_split[(b, Hkv, chunks)](
         qkv[rows], qn, kn, cos, sin, kc2, vc2, pos[rows], out, parts, stats, tickets, SM, 1e-6,
         fp8_scale or 1.0, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D, CHUNK=chunk, BLOCK_S=16, MAX_CHUNKS=chunks,
-        OUT_FP8=bool(fp8_scale), **descriptors)
+        OUT_FP8=bool(fp8_scale), **descriptors, **paging)
     assert not tickets.any()
+    if page:
+        held = torch.zeros(len(kc2), dtype=torch.bool)
+        held[table.flatten().long()] = True
+        assert kc2[~held].isnan().all() and vc2[~held].isnan().all()  # no page outside the rows' was written
+        kc2, vc2 = unpaged(kc2, table), unpaged(vc2, table)
     return out.view(b, Hq, D), kc2, vc2
 everyone = list(range(B))
 got, kc2, vc2 = attend(everyone)
@@ -394,13 +438,22 @@ assert torch.equal(kc3.view(torch.int16), kc2.view(torch.int16)) and torch.equal
 # the reference starts from q as the two-kernel chain computes it (qk_norm_rope_kv_write, tested above), over the
 # keys as written: the bound measures attention, not q's roundings
 q_chain = torch.empty(B, Hq * D).bfloat16()
-rope.qk_norm_rope_kv_write[(B,)](qkv, qn, kn, cos, sin, pos, torch.arange(B), q_chain, kc.clone(), vc.clone(), 1,
-                                    SM, 1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2)
+(k_pool, table), (v_pool, _) = paged(kc.clone(), 16), paged(vc.clone(), 16)
+rope.qk_norm_rope_kv_write[(B,)](qkv, qn, kn, cos, sin, pos, torch.arange(B), torch.arange(B), table, q_chain, k_pool,
+                                    v_pool, 1, SM, 1e-6, Q_HEADS=Hq, KV_HEADS=Hkv, HALF=D // 2, PAGE=16)
 ref = reference(q_chain.view(B, Hq, D), kc2, vc2, lengths)
 assert ((got.float() - ref).abs() <= 0.02 * ref.abs() + 0.01).all(), float((got.float() - ref).abs().max())
 codes = attend(everyone, fp8_scale=0.004)[0]
 expected = (got.float() / 0.004).clamp(-448, 448).to(torch.float8_e4m3fn)
 assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+# paged: the same bits as contiguous, out and written
+for page, tma, fp8_scale in ((32, False, None), (16, True, 0.004)):
+    out, kc4, vc4 = attend(everyone, fp8_scale, tma, page)
+    assert same_bits(kc4, kc2) and same_bits(vc4, vc2), (page, tma)
+    assert torch.equal(out.view(torch.uint8), (codes if fp8_scale else got).view(torch.uint8)), (page, tma)
+out, kc4, vc4 = attend(everyone, page=16, idle=(2,))
+assert torch.equal(out[[0, 1, 3, 4]], got[[0, 1, 3, 4]]) and out[2].isnan().all()
+assert same_bits(kc4[2], kc[2]) and same_bits(vc4[2], vc[2]) and same_bits(kc4[3], kc2[3])
 # a row's result is its own: the same row alone, or beside rows of other lengths, is bit for bit the same
 for b in range(B):
     assert torch.equal(attend([b])[0][0], got[b])
@@ -424,22 +477,24 @@ for s in range(S):
 
 
 def test_prompt_attention_from_any_start_equals_the_whole_prompt():
-    """The prefill's attention (a prompt's rows over its own slot's keys): the plugin form's numbers for the same
-    cache rows; the rows from position 17 on, attended in a launch that starts there (over keys 0..16 already in the
+    """The prefill's attention (a prompt's rows over its own slot's keys, through the slot's pages scrambled in one
+    pool): bit for bit the plugin form's numbers over the same keys in a contiguous cache row; the rows from position
+    17 on, attended in a launch that starts there (over keys 0..16 already in the
     slot, as a prefix cache hit has them), bit for bit the rows of the launch from position 0, although the tiles of
     16 (position, head) rows and the key blocks they stop at are cut elsewhere; a prompt of slot -1 computes
     nothing."""
-    run(ATTENTION + """
+    run(ATTENTION + PAGED + """
 L, start = 40, 17
 kc, vc = torch.randn(3, Hkv, SM, D).bfloat16(), torch.randn(3, Hkv, SM, D).bfloat16()
+(k_pool, table), (v_pool, _) = paged(kc, 16, spare=2), paged(vc, 16, spare=2)
 q = (torch.randn(1, Hq, L, D) * D ** -0.5).bfloat16()
 
 def attend(q, starts, slots):
     b, s = len(slots), q.shape[2]
     out = torch.full((b, Hq, s, D), float("nan")).bfloat16()
     attention.prompt_attention[(b, Hkv, -(-s * (Hq // Hkv) // 16))](
-        q, kc, vc, torch.tensor(starts), torch.tensor(slots), s, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv, HEAD_DIM=D,
-        BLOCK_Q=16, BLOCK_S=16)
+        q, k_pool, v_pool, torch.tensor(starts), torch.tensor(slots), table, s, SM, out, Q_HEADS=Hq, KV_HEADS=Hkv,
+        HEAD_DIM=D, BLOCK_Q=16, BLOCK_S=16, PAGE=16)
     return out
 
 whole = attend(q, [0], [2])
@@ -481,11 +536,28 @@ assert ((emb.float() - exact).abs() <= exact.abs().clamp(min=2 ** -20) * 2 ** -8
 """)
 
 
+SLOTS = """
+def slot_cache(engine, slot, n):
+    # the slot's first n positions [layers, K/V, Hkv, n, D], read through its page table
+    kv = engine.kv
+    pages = kv.pool.index_select(2, kv.table[slot, :-(-n // kv.page)].long())
+    layers, _, count, heads, page, d = pages.shape
+    return pages.permute(0, 1, 3, 2, 4, 5).reshape(layers, 2, heads, count * page, d)[:, :, :, :n]
+
+def scramble(engine, seed=0):
+    # the engine hands out its pages in a random order (as after many requests came and went)
+    engine.kv.free = [int(p) for p in np.random.default_rng(seed).permutation(engine.kv.pages)]
+    return engine
+"""
+
+
 def test_engine_prefills_joins_together_as_each_alone(tiny_ckpt):
     """The GPU engine's batched prefill (one call for every request joining) on the CPU: each slot's caches, first
-    codes, next input and decode state equal those of its prompt prefilled alone, whatever the order of the group;
-    padded to a captured graph's buckets, the same keys, values and logits."""
-    run(f"""
+    codes, next input and decode state equal those of its prompt prefilled alone, whatever the order of the group,
+    with the group's slots in pages handed out in a random order and each prompt alone in a fixed slot (a page of
+    max_seq: one cache row of its own, the layout before paging); padded to a captured graph's buckets, the same
+    keys, values and logits, and neither the empty prompts nor the padding rows write anything."""
+    run(SLOTS + f"""
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.runtime.gpu.engine import GpuEngine, slot_runs
 from higgs_trt.runtime.config import lm_tensor_shapes
@@ -498,36 +570,45 @@ tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
 tok = HiggsTokenizer(Path({str(tiny_ckpt)!r}) / "tokenizer.json")
 ps = [build_prompt(tok, t) for t in ("Hello there.", "She sells sea shells by the sea shore, twice.", "Hi")]
 
-def prefilled(joins):
-    engine = GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False)
+def engine(page=64):
+    return GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False,
+                     page=page)
+
+def prefilled(engine, joins):
     engine.prefill(joins)
     return engine
 
 sampled = Sampling(temperature=1.0, top_k=20, seed=3)
-solo = [prefilled([(0, p, sampled if i == 1 else Sampling())]) for i, p in enumerate(ps)]
-together = prefilled([(2, ps[0], Sampling()), (0, ps[1], sampled), (1, ps[2], Sampling())])
+solo = [prefilled(engine(page=128), [(0, p, sampled if i == 1 else Sampling())]) for i, p in enumerate(ps)]
+together = prefilled(scramble(engine()), [(2, ps[0], Sampling()), (0, ps[1], sampled), (1, ps[2], Sampling())])
 for alone, slot, p in zip(solo, (2, 0, 1), ps):
     n = len(p)
-    assert torch.equal(alone.caches[:, :, 0, :, :n], together.caches[:, :, slot, :, :n])
+    assert torch.equal(slot_cache(alone, 0, n), slot_cache(together, slot, n))
     assert torch.equal(alone.codes[0], together.codes[slot]) and torch.equal(alone.h[0], together.h[slot])
     assert int(alone.write_pos[0]) == int(together.write_pos[slot]) == n
     assert all(torch.equal(a[0], b[slot]) for a, b in zip(alone.states, together.states))
 assert slot_runs([2, 0, 1, 5]) == [(0, 2, 1), (1, 0, 2), (3, 5, 1)]  # the slots' states go up run by run
 
 # a captured prefill graph pads the group to its count and length buckets: empty prompts and rows past each prompt
-# change nothing of the real prompts' keys, values and logits, and the empty prompts write into no slot
+# change nothing of the real prompts' keys, values and logits, and write nothing: each slot reserves its prompt's
+# positions only, so a padding row's key would land past them (in its page, or in a page it does not hold)
 def staged(length, count):
-    engine = GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False)
-    engine._stage_prompts([(slot, p, 0) for slot, p in zip((2, 0, 1), ps)], length, count)
-    engine._prefill_padded(count, length)
-    return engine
+    padded = scramble(engine())
+    for slot, p in zip((2, 0, 1), ps):
+        assert padded.reserve(slot, len(p))
+    padded.kv.upload()
+    padded._stage_prompts([(slot, p, 0) for slot, p in zip((2, 0, 1), ps)], length, count)
+    padded._prefill_padded(count, length)
+    return padded
 longest = max(len(p) for p in ps)
 padded, exact = staged(64, 4), staged(longest, len(ps))
 assert torch.equal(padded.logits[:len(ps)], exact.logits[:len(ps)])
 for slot, p in zip((2, 0, 1), ps):
     n = len(p)
-    assert torch.equal(padded.caches[:, :, slot, :, :n], exact.caches[:, :, slot, :, :n])
-assert not padded.caches[:, :, 3].any()
+    assert torch.equal(slot_cache(padded, slot, n), slot_cache(exact, slot, n))
+    assert not slot_cache(padded, slot, 64)[:, :, :, n:].any()
+held = [page for pages in padded.kv.held for page in pages]
+assert len(held) == 3 and not padded.caches[:, :, [p for p in range(padded.kv.pages) if p not in held]].any()
 """)
 
 
@@ -537,9 +618,11 @@ def test_prefix_cache_changes_no_number_of_a_cloned_voice_alone_or_in_a_group(ti
     miss, in a group with a second voice that the 1-entry cache lets go first) and warm (a hit, in a group of joins
     with a zero-shot prompt and another text in the same voice) starts from the same slot state — keys and values,
     logits, first codes, next input, decode state — and decodes the same rows; the warm group's pass takes only the
-    rows past the reference part. The cached engine runs its prefills and steps as their captured graphs would (the
-    passes padded to the graphs' count and length buckets)."""
-    run(f"""
+    rows past the reference part. The engine without the cache has fixed slots (a page of max_seq each, the layout
+    before paging); the cached one pages handed out in a random order, the prompts spanning two pages, the warm
+    group's slots released and reserved again first. It runs its prefills and steps as their captured graphs would
+    (the passes padded to the graphs' count and length buckets)."""
+    run(SLOTS + f"""
 from pathlib import Path
 from higgs_trt.builder.checkpoint import Checkpoint
 from higgs_trt.runtime.gpu.engine import GpuEngine
@@ -551,35 +634,36 @@ ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
 tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
 tok = HiggsTokenizer(ckpt.dir / "tokenizer.json")
 rng = np.random.default_rng(1)
-voice, second_voice = (rng.integers(0, 1024, (t, 8)).astype(np.int32) for t in (12, 6))
+voice, second_voice = (rng.integers(0, 1024, (t, 8)).astype(np.int32) for t in (30, 6))
 cloned = build_prompt(tok, "The cache should not matter.", voice, "Some words.")
 other = build_prompt(tok, "Another sentence in that voice.", voice, "Some words.")
 second = build_prompt(tok, "A second voice.", second_voice)
 plain = build_prompt(tok, "Hi")
 n = cloned.prefix
 assert 0 < n < len(cloned) and other.prefix == n and other.prefix_key == cloned.prefix_key != second.prefix_key
+assert 64 < len(cloned) < len(other) <= 96
 sampled = Sampling(temperature=1.0, top_k=20, seed=3)
 
-def engine(entries):
-    return GpuEngine(ckpt.config, tensors, max_seq=128, max_batch=4, max_prompt=64, device="cpu", graphs=False,
-                     prefix_entries=entries)
+def engine(entries, page=64):
+    return GpuEngine(ckpt.config, tensors, max_seq=192, max_batch=4, max_prompt=96, device="cpu", graphs=False,
+                     prefix_entries=entries, page=page)
 
 def state(engine, slot, prompt, j):
-    # a slot's state after a prefill whose j-th prompt it was
-    return ([engine.caches[:, :, slot, :, :len(prompt)].clone(), engine.logits[j].clone(), engine.codes[slot].clone(),
-             engine.h[slot].clone()] + [t[slot].clone() for t in engine.states])
+    # a slot's state after a prefill whose j-th prompt it was (its decode state but the positions its pages hold)
+    return ([slot_cache(engine, slot, len(prompt)).clone(), engine.logits[j].clone(), engine.codes[slot].clone(),
+             engine.h[slot].clone()] + [t[slot].clone() for t in engine.states if t is not engine.limit])
 
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
-off = engine(0)
+off = engine(0, page=192)
 off.prefill([(1, cloned, sampled)])
 alone = state(off, 1, cloned, 0)
 assert off.prefixes.misses == 1 and not off.prefixes.kept
 off.prefill([(0, Prompt(cloned.input_ids[:n], cloned.audio_rows[:n], cloned.is_audio[:n], 0), Sampling())])
-assert torch.equal(off.caches[:, :, 0, :, :n], off.caches[:, :, 1, :, :n])
+assert torch.equal(slot_cache(off, 0, n), slot_cache(off, 1, n))
 
-cached = engine(1)
+cached = scramble(engine(1))
 replayed = []
 
 class Replayed:
@@ -610,8 +694,11 @@ assert same(state(cached, 1, cloned, 1), alone)
 cold_other = state(cached, 2, other, 2)
 kept = cached.prefixes.kept[cloned.prefix_key]
 cfg = ckpt.config
-assert kept.shape == (cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim) and kept.dtype == torch.bfloat16
+assert kept.shape == (cfg.num_layers, 2, 1, cfg.num_kv_heads, 64, cfg.head_dim) and kept.dtype == torch.bfloat16
 
+cached.release(0)
+cached.release(1)
+assert cached.reserve(1, len(cloned) + 2)  # slot 0 takes max_seq at its prefill, as a slot that reserved nothing
 cached.prefill([(3, plain, Sampling()), (0, other, Sampling()), (1, cloned, sampled)])
 assert (cached.prefixes.hits, cached.prefixes.misses) == (2, 3)
 assert replayed[-1] == (4, bucket(max(len(plain), len(other) - n))) and replayed[-1][1] < bucket(len(other))
@@ -702,10 +789,51 @@ assert cos.min() >= 0.9999, cos.tolist()
 """)
 
 
-def test_engine_steps_of_17_rows_decode_a_request_as_alone(tiny_ckpt):
-    """17 requests at once step in the 32-row bucket (the GEMMs' wide tiles, decode attention by TMA:
-    launches.ATTENTION_TMA_BUCKETS), one alone in the 1-row bucket (narrow tiles, per-thread loads): the request's
-    codes are the same (the tiny engine in Triton's interpreter on the CPU)."""
+def test_a_request_steps_in_the_32_row_bucket_of_paged_slots_as_alone_in_a_fixed_slot(tiny_ckpt):
+    """A request in slot 16 of a paged engine steps in the 32-row bucket (32 rows a product, decode attention by TMA:
+    launches.ATTENTION_TMA_BUCKETS) beside 16 live slots of random next inputs and random caches and 15 idle ones,
+    its pages handed out in a random order; alone in a fixed slot (a page of max_seq: the layout before paging) it
+    steps in the 1-row bucket (16 rows a product, per-thread loads): the same codes (the tiny engine in Triton's
+    interpreter on the CPU)."""
+    run(SLOTS + f"""
+from pathlib import Path
+from higgs_trt.builder.checkpoint import Checkpoint
+from higgs_trt.runtime.gpu.engine import GpuEngine
+from higgs_trt.runtime.config import lm_tensor_shapes
+from higgs_trt.runtime.decoding import Sampling
+from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
+
+ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
+tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
+prompt = build_prompt(HiggsTokenizer(ckpt.dir / "tokenizer.json"), "Request number 0, spoken among others.")
+
+def decoded(engine, slot):
+    engine.prefill([(slot, prompt, Sampling(temperature=1.0, top_k=50, seed=7))])
+    for _ in range(3):
+        engine.step(slot + 1)
+    return [codes for s, codes in engine.rows() if s == slot]
+
+alone = decoded(GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=1, max_prompt=32, device="cpu", graphs=False,
+                          page=64), 0)
+crowd = scramble(GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=32, max_prompt=32, device="cpu",
+                           graphs=False, cache_positions=17 * 64))
+gen = torch.Generator().manual_seed(0)
+crowd.caches.copy_(torch.randn(crowd.caches.shape, generator=gen))
+for slot in range(16):
+    assert crowd.reserve(slot, 64)
+crowd.h[:16] = torch.randn(16, ckpt.config.hidden_size, generator=gen)
+crowd.write_pos[:16] = torch.randint(0, 64, (16,), generator=gen)
+crowd.active[:16] = 1
+assert crowd.bucket_of[17] == 32
+beside = decoded(crowd, 16)
+assert len(alone) == 4 and beside == alone, (alone, beside)
+""")
+
+
+def test_a_request_waits_for_cache_pages_and_decodes_the_same_in_pages_another_released(tiny_ckpt):
+    """The scheduler through the slot contract's reserve, on a paged engine whose cache holds two requests: of three,
+    the third waits (reserve refused) until the first ends, then joins mid-flight in the first's slot and page; its
+    prompt and sampling are the first's, and so are its codes."""
     run(f"""
 from pathlib import Path
 from higgs_trt.builder.checkpoint import Checkpoint
@@ -718,18 +846,24 @@ from higgs_trt.runtime.scheduler import Scheduler, request_for
 
 ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
 tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")
-engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=32, max_prompt=32, device="cpu", graphs=False,
-                   codec=CodecDecoder.from_checkpoint(ckpt))
+engine = GpuEngine(ckpt.config, tensors, max_seq=64, max_batch=3, max_prompt=32, device="cpu", graphs=False,
+                   cache_positions=2 * 64, codec=CodecDecoder.from_checkpoint(ckpt))
 tok = HiggsTokenizer(ckpt.dir / "tokenizer.json")
-prompts = [build_prompt(tok, f"Request number {{i}}, spoken among others.") for i in range(17)]
-alone = Scheduler(engine)
-solo = alone.submit(request_for(engine, prompts[0], Sampling(), hard_cap=8))
-alone.run()
-crowd = Scheduler(engine)
-requests = [crowd.submit(request_for(engine, p, Sampling(), hard_cap=8)) for p in prompts]
-crowd.run()
-assert len(solo.utterance.rows) == 8
-assert np.array_equal(np.stack(solo.utterance.rows), np.stack(requests[0].utterance.rows))
+first, second = (build_prompt(tok, t) for t in ("The first one.", "The second one, a little longer."))
+scheduler = Scheduler(engine)
+sampled = Sampling(temperature=1.0, top_k=50, seed=5)
+a, b, c = (scheduler.submit(request_for(engine, p, s, hard_cap=cap))
+           for p, s, cap in ((first, sampled, 8), (second, Sampling(), 11), (first, sampled, 8)))
+scheduler.step()
+assert scheduler.slots[:2] == [a, b] and list(scheduler.queue) == [c] and not engine.kv.free
+for _ in range(20):  # a's 8 rows, and a few more
+    if c in scheduler.slots:
+        break
+    scheduler.step()
+assert a.finished and not b.finished and scheduler.slots[0] is c
+scheduler.run()
+assert len(a.utterance.rows) == 8 and np.array_equal(np.stack(c.utterance.rows), np.stack(a.utterance.rows))
+assert len(engine.kv.free) == 2
 """)
 
 

@@ -1,8 +1,10 @@
-"""How the GPU engine cuts a wave of joins into prefill passes (runtime/gpu/launches.prefill_passes), on the CPU."""
+"""What the GPU engine decides on the host, on the CPU: how a wave of joins is cut into prefill passes
+(runtime/gpu/launches.prefill_passes), the buckets its graphs are captured for, and which cache pages each slot holds
+(runtime/gpu/kv_pages.py)."""
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 
 def captured(pass_rows=2048, max_batch=64):
@@ -48,3 +50,55 @@ def test_bucket_tables_hold_every_count_in_the_least_bucket():
     buckets, of = bucket_table(CODEC_BUCKETS, 64)
     assert of[21] == 24 and of[14] == 16 and of[40] == 48  # served codec calls of 14-21 windows pad little
     assert all(n <= of[n] and (n == 0 or of[n] in buckets) for n in range(65))
+
+
+def tiny_pages(max_batch: int, max_seq: int, positions: int):
+    from higgs_trt.runtime.config import HiggsConfig
+    from higgs_trt.runtime.gpu.kv_pages import KvPages
+
+    cfg = HiggsConfig(64, 2, 4, 2, 16, 128, 100, 1e-6, 1e6, 32768)
+    return KvPages(cfg, max_batch, max_seq, positions, torch.device("cpu"), pinned=False)
+
+
+def test_slots_hold_the_pages_their_positions_need_until_released():
+    """reserve takes whole pages for a slot's positions or, if too few are free, none; release
+    gives them back, and a later reserve takes them; the table names each slot's pages once uploaded."""
+    kv = tiny_pages(max_batch=4, max_seq=200, positions=5 * 64)
+    assert (kv.pages, kv.width) == (5, 4)
+    assert kv.reserve(0, 65) and len(kv.held[0]) == 2 and kv.capacity(0) == 128
+    assert not kv.reserve(1, 200) and not kv.held[1]  # 4 pages needed, 3 free
+    assert kv.reserve(1, 150) and kv.capacity(1) == 192
+    assert not kv.free and not kv.reserve(2, 1) and not kv.held[2]
+    first = list(kv.held[0])
+    kv.release(0)
+    assert kv.reserve(2, 64) and kv.held[2][0] in first and kv.reserve(3, 64) and not kv.free
+    held = kv.held[1] + kv.held[2] + kv.held[3]
+    assert sorted(held) == list(range(5))  # every page once
+    kv.upload()
+    for slot in (1, 2, 3):
+        assert kv.table[slot, :len(kv.held[slot])].tolist() == kv.held[slot]
+    assert kv.reserve(2, 60) and not kv.free  # a slot reserved again gives its pages back first
+
+
+def test_a_request_of_max_seq_always_fits_an_empty_cache():
+    """Whatever the budget, the pool holds one request of max_seq positions, so reserve never refuses while no slot
+    holds pages."""
+    for positions in (0, 1, 64, 199):
+        kv = tiny_pages(max_batch=8, max_seq=200, positions=positions)
+        assert kv.pages == 4 and kv.reserve(7, 200) and kv.capacity(7) == 200
+        assert kv.reserve(7, 10_000) and kv.capacity(7) == 200  # positions past max_seq are never reached
+
+
+def test_a_slots_pages_copy_out_and_into_another_slot():
+    """What the prefix cache keeps (take: the pages holding a slot's first positions, the last one whole) goes into
+    another slot's first pages (put), position for position."""
+    kv = tiny_pages(max_batch=2, max_seq=256, positions=8 * 64)
+    kv.free.reverse()
+    assert kv.reserve(0, 200) and kv.reserve(1, 200)
+    kv.upload()
+    kv.pool.copy_(torch.randn(kv.pool.shape))
+    kept = kv.take(0, 100)
+    assert kept.shape[2] == 2
+    kv.put(1, kept)
+    for j in range(2):
+        assert torch.equal(kv.pool[:, :, kv.held[1][j]], kv.pool[:, :, kv.held[0][j]])

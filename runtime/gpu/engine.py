@@ -1,8 +1,8 @@
-"""The engine design on a CUDA GPU without TensorRT: static KV slots, the plugin kernels, CUDA graphs, FP8 GEMMs.
+"""The engine design on a CUDA GPU without TensorRT: KV slots, the plugin kernels, CUDA graphs, FP8 GEMMs.
 
 This is `--backend torch` on a GPU and the measure of what the engines cost on real hardware. It keeps the engine's
-contract (fixed slots of [Hkv, S_max, D] caches, a prefill into one slot, one step for the first n slots) and runs
-every decode-step operation as one of the project's kernels:
+contract (slots, a prefill into each, one step for the first n slots) and runs every decode-step operation as one of
+the project's kernels:
 
   per layer: rms_norm → linear(q|k|v) → decode_attention_split (q/k norm and RoPE, k and v written into the cache
              in place, attention over each row's valid prefix only) → linear(o) + residual → rms_norm →
@@ -10,10 +10,13 @@ every decode-step operation as one of the project's kernels:
   then:      rms_norm → linear(audio table) → delayed_codebook_sample (argmax or seeded sampling, delay mask, end
              frame, next row's embedding) → advance_slots
 
+A slot's cache is the pages it holds in one pool (kv_pages.py): as many as its request's prompt and row cap need
+(reserve), so more slots fit in the memory than at max_seq each.
+
 All state a step needs lives on the device (positions, row index, end frame, sampling parameters, the next
-embedding), so step n+1 follows step n without the host; the host reads each step's codes from pinned memory one
-step late. A step is replayed from a CUDA graph per batch bucket, captured at start-up. The kernels are batch
-invariant (plugins/), so a request's codes do not depend on what else is in the batch.
+embedding, the page table), so step n+1 follows step n without the host; the host reads each step's codes from
+pinned memory one step late. A step is replayed from a CUDA graph per batch bucket, captured at start-up. The kernels
+are batch invariant (plugins/), so a request's codes do not depend on what else is in the batch.
 
 FP8 (--precision fp8): per-output-channel FP8 weights and the calibration's static per-tensor activation scales, the
 quantisation of the FP8 engine (plugins/fp8.py), executed by the linear kernel's FP8 path (not torch._scaled_mm,
@@ -48,6 +51,7 @@ from higgs_trt.runtime.slots import Decoded, SlotEngine
 from higgs_trt.runtime.streaming import StreamPlan
 
 from .codec_graphs import CodecGraphs, PendingAudio
+from .kv_pages import PAGE, KvPages, position_bytes
 from .launches import (ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_LATE_LAUNCH_BUCKETS, ATTENTION_PREFETCH_ROWS,
                        ATTENTION_TMA_BUCKETS, ATTENTION_WARPS, BUCKETS, PREFILL_PROMPTS, STEP_ROWS, Workspace,
                        attention_stages, attention_tma, bucket_table, prefill_passes, slot_runs)
@@ -56,6 +60,10 @@ from .prefill import Prefill
 from .weights import WeightSource
 
 _claimed = threading.local()  # the engine stream each thread has made current (GpuEngine._claim_stream)
+# GPU memory the default cache budget leaves free for everything allocated after the caches: activations, graphs,
+# the codec's graphs and the prefix cache (2.7 GiB besides weights and caches at 64 slots, H200, 0c5e456; the prefix
+# cache up to ~1.2 GiB)
+CACHE_HEADROOM = 6 << 30
 
 
 class GpuEngine(Prefill, SlotEngine):
@@ -66,7 +74,11 @@ class GpuEngine(Prefill, SlotEngine):
 
     def __init__(self, cfg: HiggsConfig, tensors: dict, *, max_seq: int, max_batch: int, max_prompt: int,
                  act_amax: dict | None = None, codec=None, device: str = "cuda", graphs: bool = True,
-                 pdl: bool | None = None, prefix_entries: int = DEFAULT_ENTRIES):
+                 pdl: bool | None = None, prefix_entries: int = DEFAULT_ENTRIES, cache_positions: int | None = None,
+                 page: int = PAGE):
+        """cache_positions: the KV cache's size, in positions of all slots together (None: max_batch × max_seq,
+        or what the GPU's free memory holds less CACHE_HEADROOM if that is less); page: positions a page (the
+        tests' fixed slots: max_seq)."""
         self.cfg, self.max_seq, self.max_batch, self.max_prompt = cfg, max_seq, max_batch, max_prompt
         self.device = torch.device(device)
         self.precision = "fp8" if act_amax else "bf16"
@@ -91,7 +103,14 @@ class GpuEngine(Prefill, SlotEngine):
         # activation rows: the most one prefill pass holds (a decode step takes max_batch of them)
         rows = self.pass_rows = max(max_batch, PREFILL_PROMPTS * max_prompt)
         bf16 = dict(dtype=torch.bfloat16, device=dev)
-        self.caches = torch.zeros(cfg.num_layers, 2, max_batch, hkv, max_seq, d, **bf16)
+        pinned = dev.type == "cuda"
+        if cache_positions is None:
+            cache_positions = max_batch * max_seq
+            if dev.type == "cuda":
+                free = torch.cuda.mem_get_info(dev)[0] - CACHE_HEADROOM
+                cache_positions = min(cache_positions, max(free, 0) // position_bytes(cfg))
+        self.kv = KvPages(cfg, max_batch, max_seq, cache_positions, dev, pinned, page)
+        self.caches = self.kv.pool  # [layers, K/V, pages, Hkv, page, D]
         # each layer's decode attention by bulk copies (ATTENTION_TMA_BUCKETS)
         self.attention_tma = [attention_tma(self.caches[i, 0], self.caches[i, 1]) for i in range(cfg.num_layers)]
         self.h = torch.zeros(max_batch, h, **bf16)  # residual stream; the codebook kernel leaves the next input here
@@ -117,6 +136,7 @@ class GpuEngine(Prefill, SlotEngine):
         self.top_k = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(max_batch, **i64)
+        self.limit = torch.full((max_batch,), max_seq, **i64)  # positions the slot's pages hold
         n_max = max(lin.n for lin in (self.layers[0].qkv, self.layers[0].gate_up, self.head))
         if pdl is None:  # Hopper on (griddepcontrol); launched without it, the kernels' waits are no-ops
             pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
@@ -124,7 +144,6 @@ class GpuEngine(Prefill, SlotEngine):
 
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.buckets, self.bucket_of = bucket_table(BUCKETS, max_batch)
-        pinned = dev.type == "cuda"
         self.step_rows = {n: STEP_ROWS.get(n, 1) for n in self.buckets}
         rows_max = max(self.step_rows.values())
         self.host_codes = [torch.zeros(rows_max, max_batch, NUM_CODEBOOKS, dtype=torch.int32, pin_memory=pinned)
@@ -144,7 +163,7 @@ class GpuEngine(Prefill, SlotEngine):
         self._prefill_buffers(rows, pinned, prefix_entries)
         # a starting slot's decode state, written on the host and copied up (GpuEngine._start)
         self.states = (self.write_pos, self.row_index, self.end_frame, self.active, self.temperature, self.top_k,
-                       self.top_p, self.seed)
+                       self.top_p, self.seed, self.limit)
         self.host_state_tensors = [torch.zeros(max_batch, dtype=t.dtype, pin_memory=pinned) for t in self.states]
         self.host_states = [t.numpy() for t in self.host_state_tensors]
         self.states_copied = torch.cuda.Event() if pinned else None
@@ -172,7 +191,8 @@ class GpuEngine(Prefill, SlotEngine):
                 layer.o.x_scale, Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, CHUNK=ATTENTION_CHUNK, BLOCK_S=ATTENTION_BLOCK,
                 MAX_CHUNKS=ws.chunks, OUT_FP8=layer.o.fp8, num_stages=attention_stages(n),
                 num_warps=ATTENTION_WARPS, PREFETCH=self.pdl and n <= ATTENTION_PREFETCH_ROWS,
-                LATE_LAUNCH=n in ATTENTION_LATE_LAUNCH_BUCKETS, **tma, **self._launch())
+                LATE_LAUNCH=n in ATTENTION_LATE_LAUNCH_BUCKETS, pages=self.kv.table, active=self.active,
+                PAGE=self.kv.page, **tma, **self._launch())
             layer.o(attn, h, n, ws, residual=True)
             x = self._norm(h, layer.post_norm, n, layer.gate_up)
             layer.gate_up(x, self.act, n, ws, out_scale=layer.down.x_scale)
@@ -213,7 +233,7 @@ class GpuEngine(Prefill, SlotEngine):
     def _advance(self, slot: int, n: int) -> None:
         s = slice(slot, slot + n)
         engine_kernels.advance_slots[(1,)](self.write_pos[s], self.row_index[s], self.end_frame[s], self.end_next[s],
-                                        self.active[s], n, self.max_seq, BLOCK=max(16, 1 << (n - 1).bit_length()),
+                                        self.active[s], self.limit[s], n, BLOCK=max(16, 1 << (n - 1).bit_length()),
                                         **self._launch())
 
     def step_graph(self, n: int) -> "torch.cuda.CUDAGraph":
@@ -258,10 +278,16 @@ class GpuEngine(Prefill, SlotEngine):
         each one from past its reference part where the prefix cache holds that (prefill.py): a request prefills to
         the same state alone or with others, from the cache or not."""
         t0 = time.perf_counter()
-        for _, prompt, _ in joins:
+        for slot, prompt, _ in joins:
             if len(prompt) > self.max_prompt:
                 raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_prompt {self.max_prompt}")
+            if not self.kv.held[slot] and not self.kv.reserve(slot, self.max_seq):  # unreserved: max_seq, as before
+                raise ValueError(f"no cache pages left for slot {slot}")
+            if len(prompt) > self.kv.capacity(slot):
+                raise ValueError(f"prompt of {len(prompt)} tokens exceeds slot {slot}'s {self.kv.capacity(slot)} "
+                                 "reserved positions")
         self._claim_stream()
+        self.kv.upload()
         starts = [self._cached_reference(slot, prompt) for slot, prompt, _ in joins]
         rests = [len(prompt) - start for (_, prompt, _), start in zip(joins, starts)]
         first = 0
@@ -281,7 +307,7 @@ class GpuEngine(Prefill, SlotEngine):
             values = (n - 1,  # advance_slots moves it to n, where row 0 is fed back
                       0, int(NO_END), 1, max(sampling.temperature, 0.0),
                       min(sampling.top_k, cfg.codebook_vocab),  # ≥ the vocabulary: every code
-                      sampling.top_p, sampling.seed)
+                      sampling.top_p, sampling.seed, self.kv.capacity(slot))
             for host, value in zip(self.host_states, values):
                 host[slot] = value
         for j, slot, count in slot_runs([slot for slot, _, _ in starts]):
@@ -352,12 +378,15 @@ class GpuEngine(Prefill, SlotEngine):
         return epoch == self.epochs[slot] and self.live[slot]
 
     def reserve(self, slot: int, positions: int) -> bool:
-        return True  # every slot holds a whole max_seq cache
+        """Cache pages for `positions` in `slot` (kv_pages.py); a prefill of a slot that reserved none takes max_seq."""
+        return self.kv.reserve(slot, positions)
 
     def release(self, slot: int) -> None:
+        """Inactive from the next launch on (an inactive slot's steps write no key or value), its pages free."""
         self.live[slot] = False
         self._claim_stream()
         self.active[slot:slot + 1].fill_(0)
+        self.kv.release(slot)
 
     def codec(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "PendingAudio | Decoded":
         """Codec windows decoded on the codec stream while decode steps go on in the engine stream (the scheduler
@@ -377,10 +406,10 @@ class GpuEngine(Prefill, SlotEngine):
 
 
 def load_gpu_engine(source: WeightSource, *, max_seq: int, max_batch: int, max_prompt: int, act_amax: dict | None = None,
-                    codec_fp16: bool = True, say=lambda msg: None) -> GpuEngine:
+                    codec_fp16: bool = True, cache_gib: float | None = None, say=lambda msg: None) -> GpuEngine:
     """A GpuEngine from a Checkpoint or an EngineWeights (an engine directory's weights.bin): the language model's
     tensors by their checkpoint names, the codec decoder on the same device (its convolutions in fp16 unless
-    `codec_fp16` is off: TF32 then; CodecDecoder.fp16)."""
+    `codec_fp16` is off: TF32 then; CodecDecoder.fp16), a KV cache of `cache_gib` GiB (None: GpuEngine's default)."""
     from .codec import CodecDecoder
 
     extras.require_cuda("the GPU engine")
@@ -390,5 +419,10 @@ def load_gpu_engine(source: WeightSource, *, max_seq: int, max_batch: int, max_p
     if codec_fp16:
         codec.fp16()
     say(f"  capturing decode graphs for batches {', '.join(map(str, bucket_table(BUCKETS, max_batch)[0]))}…")
-    return GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=act_amax,
-                     codec=codec)
+    positions = None if cache_gib is None else int(cache_gib * (1 << 30)) // position_bytes(cfg)
+    engine = GpuEngine(cfg, tensors, max_seq=max_seq, max_batch=max_batch, max_prompt=max_prompt, act_amax=act_amax,
+                       codec=codec, cache_positions=positions)
+    kv = engine.kv
+    say(f"  KV cache: {kv.pages * kv.page:,} positions ({kv.pool.nbytes / (1 << 30):.1f} GiB) for {max_batch} slots "
+        f"of up to {max_seq}")
+    return engine

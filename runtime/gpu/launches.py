@@ -35,8 +35,8 @@ PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention progr
 
 
 def attention_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, block: int = ATTENTION_BLOCK) -> dict:
-    """decode_attention_split's arguments for keys and values by TMA: descriptors of the caches [B, Hkv, S, D] as
-    [rows, D] in blocks of `block` keys."""
+    """decode_attention_split's arguments for keys and values by TMA: descriptors of the caches (the engine's pool
+    [pages, Hkv, page, D], or [B, Hkv, S, D]) as [rows, D] in blocks of `block` keys."""
     d = k_cache.shape[-1]
     return dict(k_desc=TensorDescriptor.from_tensor(k_cache.view(-1, d), [block, d]),
                 v_desc=TensorDescriptor.from_tensor(v_cache.view(-1, d), [block, d]), TMA=True)

@@ -2,16 +2,17 @@
 
 The requests that join together go through every layer at once, each padded with text token 0 to the longest: their
 rows share each GEMM (the prefill tiles', one K order for any number of rows), one launch writes every prompt's keys
-and values straight into its slot, and one prompt_attention launch per layer attends each row to its own slot's keys
-0..row. A row's numbers therefore depend neither on the padding nor on the other prompts of the pass, nor on where the
-pass starts: the keys and values of a prompt's first rows are the same whether the pass holds the whole prompt or only
-those rows.
+and values straight into its slot's pages, and one prompt_attention launch per layer attends each row to its own
+slot's keys 0..row. A row's numbers therefore depend neither on the padding nor on the other prompts of the pass, nor
+on where the pass starts: the keys and values of a prompt's first rows are the same whether the pass holds the whole
+prompt or only those rows.
 
 That makes the prefix cache exact. A prompt's reference part (Prompt.prefix: <|tts|> and the voice's reference block,
 the same for every request in that voice) is computed in a whole-prompt prefill on a miss, and its keys and values
-are then kept (runtime/prefix_cache.py: bounded, least recently used first out, one cache per engine); on a hit they
-are copied into the slot and the pass takes only the rows after them, starting at position `prefix`. Hits and misses
-prefill in the same passes, bucketed by the rows each one still needs.
+are then kept (runtime/prefix_cache.py: bounded, least recently used first out, one cache per engine), as a copy of
+the pages that hold them; on a hit those are copied into the slot's first pages and the pass takes only the rows
+after them, starting at position `prefix`. Hits and misses prefill in the same passes, bucketed by the rows each one
+still needs.
 """
 
 import numpy as np
@@ -71,7 +72,7 @@ class Prefill:
         kept = self.prefixes.get(prompt.prefix_key)
         if kept is None:
             return 0
-        self.caches[:, :, slot, :, :prompt.prefix].copy_(kept)
+        self.kv.put(slot, kept)
         return prompt.prefix
 
     def _prefill_group(self, group: list[Join], starts: list[int]) -> None:
@@ -88,7 +89,7 @@ class Prefill:
             # a miss keeps its reference part (once per voice: the same voice may miss twice in one wave)
             if (not start and 0 < prompt.prefix < len(prompt) and self.prefixes.entries > 0
                     and prompt.prefix_key not in self.prefixes.kept):
-                self.prefixes.put(prompt.prefix_key, self.caches[:, :, slot, :, :prompt.prefix].clone())
+                self.prefixes.put(prompt.prefix_key, self.kv.take(slot, prompt.prefix))
         self._start([(slot, len(prompt), sampling) for slot, prompt, sampling in group])
         self._record("first", [slot for slot, _, _ in group])
 
@@ -116,7 +117,8 @@ class Prefill:
         """g staged prompts of `length` rows through every layer (rows of different prompts share each GEMM, whose K
         order does not depend on the rows, so a row's numbers depend neither on the others nor on the padding), their
         keys and values into their slots from their first positions on, the logits of each one's last row into
-        logits[:g]. Captured for each count and length bucket that fits a pass (_capture_prefills)."""
+        logits[:g]. Captured for each count and length bucket that fits a pass (_capture_prefills): the page table it
+        writes through is read when it runs."""
         cfg, ws = self.cfg, self.workspace
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         p = g * length
@@ -131,17 +133,18 @@ class Prefill:
             layer.qkv(x, qkv, p, ws, prefill=True)
             k_cache, v_cache = self.caches[i, 0], self.caches[i, 1]
             rope.qk_norm_rope_kv_write[(p,)](
-                qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, self.prompt_start, self.prompt_slot, q, k_cache,
-                v_cache, length, self.max_seq, cfg.rms_norm_eps, Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2,
-                **self._launch())
+                qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, self.prompt_start, self.prompt_slot,
+                self.prompt_last, self.kv.table, q, k_cache, v_cache, length, self.max_seq, cfg.rms_norm_eps,
+                Q_HEADS=hq, KV_HEADS=hkv, HALF=d // 2, PAGE=self.kv.page, **self._launch())
             # causal attention over each prompt's own keys only (a row reads keys 0..its position of its slot, so its
             # result depends neither on the padding nor on the other prompts): q scaled as decode scales it, heads
             # first, at the graph's bf16 scale; the output goes through q's buffer (q is spent) back to rows first
             heads.copy_(q.view(g, length, hq, d).transpose(1, 2).float() * self.q_scale)
             out = q.view(g, hq, length, d)
             attention.prompt_attention[(g, hkv, -(-length * (hq // hkv) // PROMPT_Q_BLOCK))](
-                heads, k_cache, v_cache, self.prompt_start, self.prompt_slot, length, self.max_seq, out, Q_HEADS=hq,
-                KV_HEADS=hkv, HEAD_DIM=d, BLOCK_Q=PROMPT_Q_BLOCK, BLOCK_S=ATTENTION_BLOCK)
+                heads, k_cache, v_cache, self.prompt_start, self.prompt_slot, self.kv.table, length, self.max_seq, out,
+                Q_HEADS=hq, KV_HEADS=hkv, HEAD_DIM=d, BLOCK_Q=PROMPT_Q_BLOCK, BLOCK_S=ATTENTION_BLOCK,
+                PAGE=self.kv.page)
             attn.view(g, length, hq, d).copy_(out.transpose(1, 2))
             if layer.o.fp8:
                 engine_kernels.quantize_rows[(p, -(-hq * d // 1024))](attn, self.attn8, layer.o.x_scale, N=hq * d,
