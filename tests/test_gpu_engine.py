@@ -646,3 +646,34 @@ def test_paged_slots_decode_as_fixed_slots(tiny, temperature, precision):
     for a, b in zip(fixed, paged, strict=True):
         assert np.array_equal(a, b)
 
+
+def test_a_request_decodes_the_same_in_the_128_row_bucket(tiny):
+    """An engine of 128 slots captures decode graphs for the buckets past 64 (two parities each, and the 1-row
+    bucket's 4-row graphs); a request joining mid-flight a batch of 100 takes slot 100 and steps in the 128-row bucket
+    (the linear's rows in two programs of 64): the codes it decodes alone; its audio, decoded in codec calls of more
+    than 64 windows (in pieces), within fp16's reach of its audio alone."""
+    from higgs_trt.runtime.decoding import Sampling
+    from higgs_trt.runtime.scheduler import Scheduler, request_for
+
+    engine = open_engine(tiny, max_batch=128)
+    assert engine.buckets == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert len([key for key in engine.graphs if key[0] != "prompt"]) == 2 * len(engine.buckets) + 2
+    texts = [f"Request number {i}, spoken among many others." for i in range(100)]
+    ps = prompts(tiny, texts + ["The one we follow, alone and in the crowd."])
+    sampled = Sampling(1.0, top_k=50, top_p=0.95, seed=11)
+    alone = Scheduler(engine)
+    solo = alone.submit(request_for(engine, ps[-1], sampled, hard_cap=80))
+    alone.run()
+
+    crowd = Scheduler(engine)
+    others = [crowd.submit(request_for(engine, p, Sampling(seed=i), hard_cap=160)) for i, p in enumerate(ps[:-1])]
+    for _ in range(5):
+        crowd.step()
+    joined = crowd.submit(request_for(engine, ps[-1], sampled, hard_cap=80))
+    crowd.step()
+    assert crowd.slots.index(joined) == 100 and engine.bucket_of[101] == 128
+    crowd.run()
+    assert np.array_equal(np.stack(solo.utterance.rows), np.stack(joined.utterance.rows))
+    a, b = solo.audio(), joined.audio()
+    assert a.shape == b.shape and np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2)) < 1e-2
+    assert all(r.finished for r in others)

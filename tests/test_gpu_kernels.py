@@ -264,6 +264,10 @@ limit = torch.tensor([128, 128, 41, 128])  # positions each slot's pages hold
 engine_kernels.advance_slots[(1,)](pos, row, end, nxt, active, limit, 3, BLOCK=16)
 assert pos.tolist() == [6, 9, 40, 3]  # inactive stays; the last row of a slot's own pages is kept; slot 3 is past n
 assert row.tolist() == [2, 2, 4, 4] and end.tolist() == [7, 1 << 40, 9, 1 << 40]
+pos, active = torch.arange(300), torch.ones(300, dtype=torch.int32)  # a step of the 512 bucket: 300 slots, 200 stepped
+zeros = torch.zeros(300, dtype=torch.int64)
+engine_kernels.advance_slots[(1,)](pos, zeros, zeros.clone(), zeros.clone(), active, zeros + 1000, 200, BLOCK=512)
+assert pos.tolist() == list(range(1, 201)) + list(range(200, 300))
 """)
 
 

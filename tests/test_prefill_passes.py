@@ -47,9 +47,33 @@ def test_bucket_tables_hold_every_count_in_the_least_bucket():
     assert bucket_table(BUCKETS, 64) == ([1, 2, 4, 8, 16, 32, 64],
                                          [0, 1, 2, 4, 4] + [8] * 4 + [16] * 8 + [32] * 16 + [64] * 32)
     assert bucket_table(BUCKETS, 6) == ([1, 2, 4, 6], [0, 1, 2, 4, 4, 6, 6])  # the most slots is always a bucket
+    buckets, of = bucket_table(BUCKETS, 512)
+    assert buckets == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] and of[65] == 128 and of[300] == 512
+    assert bucket_table(BUCKETS, 200)[0][-3:] == [64, 128, 200]
     buckets, of = bucket_table(CODEC_BUCKETS, 64)
     assert of[21] == 24 and of[14] == 16 and of[40] == 48  # served codec calls of 14-21 windows pad little
     assert all(n <= of[n] and (n == 0 or of[n] in buckets) for n in range(65))
+
+
+def test_a_codec_call_of_more_windows_than_its_largest_graph_goes_in_pieces(tiny_ckpt):
+    """An engine of 512 slots captures codec calls of at most 64 windows (CODEC_BUCKETS' largest, whose memory is
+    known), not one of 512; a call of 150 windows goes in pieces of 64, 64 and 22, whose audio is the whole call's."""
+    import numpy as np
+    import torch
+
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.runtime.gpu.codec import CodecDecoder
+    from higgs_trt.runtime.gpu.codec_graphs import CodecGraphs, Pieces
+
+    codec = CodecDecoder.from_checkpoint(Checkpoint(tiny_ckpt))
+    calls = CodecGraphs(codec, 512, torch.device("cpu"))
+    assert calls.buckets[-1] == 64
+    codes = np.random.default_rng(0).integers(0, 1024, (150, codec.dims.num_quantizers, 12))
+    audio = calls(codes, (2, 10))
+    assert isinstance(audio, Pieces) and [len(piece.result()) for piece in audio.pieces] == [64, 64, 22]
+    with torch.inference_mode():
+        whole = codec(torch.from_numpy(codes), (2, 10)).numpy()
+    assert audio.ready() and np.allclose(audio.result(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
 
 def tiny_pages(max_batch: int, max_seq: int, positions: int):

@@ -13,12 +13,13 @@ from .launches import CODEC_BUCKETS, bucket_table
 
 
 class CodecGraphs:
-    """One codec decoder on one device: captured window shapes (per window count of CODEC_BUCKETS), eager otherwise."""
+    """One codec decoder on one device: captured window shapes (per window count of CODEC_BUCKETS), eager otherwise;
+    a call of more windows than the largest count, in pieces of that many."""
 
     def __init__(self, codec, max_batch: int, device: torch.device):
         self.model, self.device = codec, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.buckets, self.bucket_of = bucket_table(CODEC_BUCKETS, max_batch)
+        self.buckets, self.bucket_of = bucket_table(CODEC_BUCKETS, min(max_batch, CODEC_BUCKETS[-1]))
         self.graphs: dict = {}  # (windows, (frames, keep)) → (graph, its codes input, its kept waveform)
         self.pool = None  # the graphs' memory pool, shared: they run one after another on one stream
         self.seconds: list[float] = []  # host time of the last calls (benchmarks read these)
@@ -57,9 +58,12 @@ class CodecGraphs:
         return (*self.graphs[bucket, (frames, kept)], kept)
 
     @torch.inference_mode()
-    def __call__(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "PendingAudio | Decoded":
+    def __call__(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "PendingAudio | Decoded | Pieces":
         """Windows of equal length decoded on the codec stream; only the samples that frames `keep` depend on are
         computed (CodecDecoder's keep)."""
+        most = self.buckets[-1]
+        if codes.shape[0] > most:
+            return Pieces([self(codes[i:i + most], keep) for i in range(0, codes.shape[0], most)])
         t0 = time.perf_counter()
         windows, frames = codes.shape[0], codes.shape[-1]
         keep = keep or (0, frames)
@@ -103,3 +107,16 @@ class PendingAudio:
         self.done.synchronize()
         self.calls.waited += time.perf_counter() - t0
         return self.host.numpy()
+
+
+class Pieces:
+    """A codec call made in pieces: ready once every piece is, their audio one after another."""
+
+    def __init__(self, pieces: list):
+        self.pieces = pieces
+
+    def ready(self) -> bool:
+        return all(piece.ready() for piece in self.pieces)
+
+    def result(self) -> np.ndarray:
+        return np.concatenate([piece.result() for piece in self.pieces])

@@ -50,7 +50,7 @@ from higgs_trt.runtime.prompt import Prompt
 from higgs_trt.runtime.slots import Decoded, SlotEngine
 from higgs_trt.runtime.streaming import StreamPlan
 
-from .codec_graphs import CodecGraphs, PendingAudio
+from .codec_graphs import CodecGraphs, PendingAudio, Pieces
 from .kv_pages import PAGE, KvPages, position_bytes
 from .launches import (ATTENTION_BLOCK, ATTENTION_CHUNK, ATTENTION_LATE_LAUNCH_BUCKETS, ATTENTION_PREFETCH_ROWS,
                        ATTENTION_TMA_BUCKETS, ATTENTION_WARPS, BUCKETS, PREFILL_PROMPTS, STEP_ROWS, Workspace,
@@ -388,7 +388,7 @@ class GpuEngine(Prefill, SlotEngine):
         self.active[slot:slot + 1].fill_(0)
         self.kv.release(slot)
 
-    def codec(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "PendingAudio | Decoded":
+    def codec(self, codes: np.ndarray, keep: tuple[int, int] | None = None) -> "PendingAudio | Decoded | Pieces":
         """Codec windows decoded on the codec stream while decode steps go on in the engine stream (the scheduler
         collects the audio when it is ready)."""
         return self.codec_calls(codes, keep)

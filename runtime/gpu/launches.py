@@ -6,9 +6,12 @@ none of them changes a row's numbers (the kernels are batch invariant), only whe
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Windows per captured codec call (a call of fewer pads up to the next): finer than BUCKETS, since a served level's
-# joins arrive spread out and their windows meet in calls of 9–21 that BUCKETS would pad to 16 or 32.
+# Decode steps' batch buckets (the slots below n are stepped as the bucket above n; a step's inactive slots cost their
+# GEMM rows, not attention). Past 64 the tiles and attention settings are 64's, not tuned (docs/gpu-engine.md).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Windows per captured codec call (a call of fewer pads up to the next, one of more goes in pieces of the largest):
+# finer than BUCKETS, since a served level's joins arrive spread out and their windows meet in calls of 9–21 that
+# BUCKETS would pad to 16 or 32; no more than 64, the largest call whose memory has been measured.
 CODEC_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # Rows one replay may decode, per batch bucket, when the scheduler allows it (nobody waiting to join, and no first
 # chunk held up by the rows after the one it needs): the host's work per launch spread over several rows. A lone
@@ -29,8 +32,9 @@ ATTENTION_PREFETCH_ROWS = 4
 # per-thread loads, faster only at this bucket.
 ATTENTION_TMA_BUCKETS = (32,)
 # Steps (by bucket) whose decode attention lets the o GEMM launch as its programs finish, not as they pass their wait
-# (the o GEMM's early programs then do not share the SMs with attention's): faster from 16 rows, slower below.
-ATTENTION_LATE_LAUNCH_BUCKETS = (16, 32, 64)
+# (the o GEMM's early programs then do not share the SMs with attention's): faster from 16 rows, slower below (past 64
+# as at 64, not measured).
+ATTENTION_LATE_LAUNCH_BUCKETS = (16, 32, 64, 128, 256, 512)
 PROMPT_Q_BLOCK = 64  # query rows (position × head) per prefill attention program
 
 
