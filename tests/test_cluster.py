@@ -106,8 +106,9 @@ def cluster(serve_engine, voices, tmp_path_factory):
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)
     try:
-        s = start(serve_engine, voices, tmp_path_factory, "cluster", "--cluster", "--replicas", 2, "--replica-cpus",
-                  0.5, "--affinity-bound", 1)
+        # autoscaling held at two replicas: Serve's autoscaler runs, and keeps the number a killed replica leaves
+        s = start(serve_engine, voices, tmp_path_factory, "cluster", "--cluster", "--min-replicas", 2, "--max-replicas",
+                  2, "--target-streams", 4, "--replica-cpus", 0.5, "--affinity-bound", 1)
     finally:
         for k, v in saved.items():
             if v is None:
