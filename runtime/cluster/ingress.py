@@ -11,12 +11,16 @@ reaches every replica with the first request that names it.
 """
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import threading
 
+import numpy as np
 from prometheus_client import Gauge, generate_latest
 
 from higgs_trt.runtime.errors import HiggsError
+from higgs_trt.runtime.longform import Reference
 from higgs_trt.runtime.server.engine_thread import Order
 from higgs_trt.runtime.server.metrics import Metrics
 from higgs_trt.runtime.server.voices import prepare_voices
@@ -32,6 +36,19 @@ PINNED_CALL_S = 5.0  # a replica that does not answer /health's or /metrics' cal
 # The request router of each app this process deploys, by app (Ray builds it inside the deployment handle, and it
 # enters itself here: routing.py).
 ROUTERS: dict = {}
+
+
+def affinity(voice: Reference, cast: dict[str, Reference]) -> str | None:
+    """A digest of an order's references (None for zero-shot): the router keeps the orders of one voice (a name, the
+    same ref_audio or ref_codes, a dialogue's cast) on the replica whose prefix cache holds it."""
+    references = [voice, *(cast[k] for k in sorted(cast))]
+    if all(r.codes is None for r in references):
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for r in references:
+        digest.update(b"-" if r.codes is None else np.ascontiguousarray(r.codes, np.int32).tobytes())
+        digest.update(b"\0" + (r.text or "").encode() + b"\0")
+    return digest.hexdigest()
 
 
 class ClusterEngine:
@@ -119,6 +136,7 @@ class ClusterEngine:
         return codes
 
     async def submit(self, order: Order, limit: int | None = None, on_overflow=None) -> RemoteJob:
+        order = dataclasses.replace(order, affinity=affinity(order.voice, order.cast))
         job = RemoteJob(self.handle, self.handle.options(stream=True).speak.remote(order), limit, on_overflow)
         await job.accept(order.seconds)
         return job

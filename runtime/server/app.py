@@ -52,7 +52,7 @@ from higgs_trt.runtime.wav import SAMPLE_RATE, pcm16
 
 from .audio_queue import Cut
 from .auth import BearerAuth
-from .engine_thread import Order, affinity
+from .engine_thread import Order
 from .limits import Limits
 from .speech_api import ENCODED, MODEL_ID, ApiError, Speech, field, parse_speech
 from .text_stream import speech_stream
@@ -164,7 +164,7 @@ class SpeechService:
               seconds: float) -> Order:
         """The engine's order for a request (text None: it streams in)."""
         return Order(text, voice, cast, speech.sampling, speech.max_new_tokens, self.limits, seconds,
-                     self.fixed_length, affinity(voice, cast))
+                     self.fixed_length)
 
     async def _body(self, request: Request, deadline: float) -> tuple[bytes, bool]:
         """`_read_body`, refused when the body has not arrived by the request's deadline or the server starts

@@ -22,11 +22,10 @@ loop, sleeping on the scheduler's wakeup event when there is nothing to do. Othe
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -77,20 +76,7 @@ class Order:
     limits: Limits
     seconds: float  # left until the request's deadline
     fixed_rows: bool = False  # benchmarks: exactly max_new_tokens rows
-    affinity: str | None = field(default=None, compare=False)  # the reference's digest: one voice, one replica
-
-
-def affinity(voice: Reference, cast: dict[str, Reference]) -> str | None:
-    """A digest of the order's references (None for zero-shot): a cluster sends the orders of one voice to the replica
-    whose prefix cache holds it."""
-    references = [voice, *(cast[k] for k in sorted(cast))]
-    if all(r.codes is None for r in references):
-        return None
-    digest = hashlib.blake2b(digest_size=16)
-    for r in references:
-        digest.update(b"-" if r.codes is None else np.ascontiguousarray(r.codes, np.int32).tobytes())
-        digest.update(b"\0" + (r.text or "").encode() + b"\0")
-    return digest.hexdigest()
+    affinity: str | None = None  # a cluster's: its voice, so that one replica's prefix cache keeps it
 
 
 class LocalJob:
