@@ -94,7 +94,9 @@ class Utterance:
     """
 
     max_rows: int
-    stop_rules: bool = True  # False: only the row cap ends it (benchmarks fix the length: random weights repeat rows)
+    # False: only the row cap ends it and every row completes a frame, EOC or not (benchmarks fix the length: random
+    # weights repeat rows and emit EOC at random)
+    stop_rules: bool = True
     rows: list = field(default_factory=list)  # each row's 8 codes, as a list
     end_frame: int | None = None
     stop_reason: str | None = None
@@ -117,7 +119,7 @@ class Utterance:
         rows = self.rows
         j = len(rows)
         codes = row.tolist() if isinstance(row, np.ndarray) else list(row)  # a copy: backends reuse their buffers
-        if EOC in codes:
+        if EOC in codes and self.stop_rules:
             end = find_end(codes, j, NO_END if self.end_frame is None else self.end_frame)
             self.end_frame = None if end == NO_END else int(end)
         self._repeats = self._repeats + 1 if j and codes == rows[-1] else 1

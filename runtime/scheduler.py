@@ -389,11 +389,13 @@ class Scheduler:
         """A lone request has every row of its first window launched, and its first chunk is not out: no step then
         until it is (the loop waits for the chunk instead), since a step launched now would run beside the first
         chunk's codec call and slow it; the GPU idles about a millisecond a request for it. With others busy their
-        rows come first. On host-driven engines the chunk is out in the step that reads its rows."""
+        rows come first. On host-driven engines the chunk is out in the step that reads its rows. Held only while
+        rows are unread or the chunk is being decoded: rows that turned out not to make the window due need more."""
         if len(self.occupied) != 1:
             return False
         request = self.slots[self.occupied[0]]
-        return not request.emitted and len(request.utterance.rows) + sum(self.unread) >= self.first_rows
+        rows = len(request.utterance.rows) + sum(self.unread)
+        return not request.emitted and rows >= self.first_rows and bool(self.unread or request.planned)
 
     def _start_segment(self, request: Request, prompt: Prompt, max_rows: int) -> None:
         request.prompt, request.max_rows = prompt, max_rows

@@ -4,7 +4,7 @@ mid-flight, cancellation frees its slot within a step, the admission queue is bo
 import numpy as np
 import pytest
 
-from higgs_trt.runtime.decoding import NUM_CODEBOOKS, Sampling
+from higgs_trt.runtime.decoding import EOC, NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime.generate import generate
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from higgs_trt.runtime.scheduler import MULTI_ROWS, QueueFull, Scheduler, request_for
@@ -325,3 +325,36 @@ def test_both_engine_kinds_implement_every_call_of_the_slot_contract():
     assert calls == {"prefill", "step", "rows", "reserve", "release", "busy", "prepare_codec", "codec"}
     for engine in (HostStepper, GpuEngine):
         assert SlotEngine in engine.__mro__ and calls <= set(vars(engine)), engine
+
+
+class EndsAtRowOne:
+    """The ORT engine whose every request emits EOC on codebook 0 at row 1: an utterance of one frame by the stop
+    rules."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def rows(self, keep=0):
+        out = self.inner.rows(keep)
+        for slot, codes in out:
+            if self.inner.row[slot] == 2:  # the row just chosen was row 1
+                codes[0] = EOC
+        return out
+
+
+def test_a_fixed_length_request_gets_every_row_and_frame_whatever_its_codes(engine, prompts):
+    """Benchmarks fix the length: EOC ends nothing and every row completes a frame, so a lone request's first window
+    falls due and the loop never waits on a chunk that cannot come."""
+    wrapped = EndsAtRowOne(engine)
+    scheduler = Scheduler(wrapped)
+    request = request_for(wrapped, prompts[0], Sampling(), hard_cap=40)
+    request.fixed_rows = True
+    scheduler.submit(request)
+    for _ in range(200):
+        if not scheduler.step():
+            break
+    assert request.finished and len(request.utterance.rows) == 40
+    assert len(request.audio()) == (40 - NUM_CODEBOOKS + 1) * 960
