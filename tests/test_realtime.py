@@ -154,3 +154,27 @@ def test_bench_stream_realtime_reports_each_rate_and_the_largest_without_a_stall
     assert [line.split(" arrivals/s")[0] for line in lines[:2]] == ["1", "3"]
     assert "stall share" in lines[0] and "first audio p50" in lines[1]
     assert lines[2].startswith(("largest rate with no stall", "every rate stalled"))
+
+
+def test_a_server_with_fewer_lanes_than_slots_serves_each_request_as_alone(tiny_engine, tmp_path):
+    """serve --lanes 1 --realtime: two requests at once take turns in the one decoded slot, and each gets the audio it
+    gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from serving import Server, body
+
+    server = Server(tiny_engine, tmp_path / "server.log", "--max-batch", 2, "--lanes", 1, "--realtime")
+    try:
+        def speak_served(seed):
+            r = httpx.post(server.url + "/v1/audio/speech", json=body(input=TEXTS[seed], seed=seed,
+                                                                       max_new_tokens=40), timeout=120)
+            assert r.status_code == 200, r.text
+            return r.content
+
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(speak_served, (0, 1)))
+        assert [speak_served(0), speak_served(1)] == together
+    finally:
+        assert server.stop() == 0

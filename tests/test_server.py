@@ -728,6 +728,8 @@ def test_serve_refuses_bad_options_with_one_error_line(engine_dir, tiny_ckpt, tm
             (["--engine", str(engine_dir), "--context", "500"], "(--context 500 + chunk 25 + --holdback 10) exceeds the codec's 128-frame limit"),
             (["--engine", str(engine_dir), "--port", str(port)], "cannot listen"),
             (["--engine", str(engine_dir), "--host", ""], "--host is empty"),  # listened on every interface
+            (["--checkpoint", str(tiny_ckpt), "--backend", "torch", "--device", "cpu", "--lanes", "1"],
+             "needs an engine that can move a request between slots"),
         ]
         for args, words in cases:
             r = CliRunner().invoke(main, ["serve", *args])

@@ -38,6 +38,8 @@ class EngineRecipe:
     max_batch: int
     prefix_cache: int
     max_queue: int
+    lanes: int | None
+    realtime: bool
     windows: tuple  # first_chunk, chunk, context, holdback, first_holdback
 
 
@@ -54,7 +56,8 @@ def engine_thread(recipe: EngineRecipe, sources, tokenizer, voices: dict):
         return model
 
     return EngineThread(engine_with_cache, lambda: open_encoder(sources, recipe.device), tokenizer, voices,
-                        recipe.max_queue, lambda strides: stream_plan(*recipe.windows, strides, warn=True))
+                        recipe.max_queue, lambda strides: stream_plan(*recipe.windows, strides, warn=True),
+                        recipe.lanes, recipe.realtime)
 
 
 def replica_thread(recipe: EngineRecipe):
@@ -103,6 +106,12 @@ cluster_options = options(
               help="Requests may name reference audio below this directory (ref_audio: file://PATH); else only uploads.")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests waiting for a slot; past this, new ones get 429 with Retry-After.")
+@click.option("--realtime", is_flag=True,
+              help="Refuse (429) a request that would push the streams under real time, by the loop's measured "
+                   "seconds per row, instead of slowing every stream.")
+@click.option("--lanes", type=click.IntRange(1, 4096),
+              help="Slots one decode step takes [default: all]; requests in the others wait, earliest deadline first "
+                   "(engines that can move a request between slots: ONNX Runtime).")
 @click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
               help="Seconds a request may take, waiting included; then it is cancelled and its slot freed.")
 @click.option("--api-key", envvar="HIGGS_API_KEY",
@@ -124,7 +133,7 @@ cluster_options = options(
 @cluster_options
 @click.pass_context
 def serve(ctx, engine, checkpoint, backend, device, host, port, precision, codec_precision, max_batch, voices_dir,
-          ref_dir, max_queue, timeout, api_key, max_input_chars, max_seconds, history, prefix_cache, fixed_length,
+          ref_dir, max_queue, realtime, lanes, timeout, api_key, max_input_chars, max_seconds, history, prefix_cache, fixed_length,
           first_chunk, chunk, context, holdback, first_holdback, cluster, replicas, min_replicas, max_replicas,
           target_streams, ray_address, replica_cpus, affinity_bound):
     """Serve OpenAI's POST /v1/audio/speech (plus the voices API, the WebSocket for text streamed in, /v1/models,
@@ -156,13 +165,16 @@ def serve(ctx, engine, checkpoint, backend, device, host, port, precision, codec
     if stray and not cluster:
         raise HiggsError(f"{stray[0]} applies with --cluster only")
     name = choose_backend(backend, engine, checkpoint, device, given(ctx))
+    if lanes is not None and lanes < max_batch and name != "ort":
+        raise HiggsError(f"--lanes {lanes} (fewer than --max-batch {max_batch}) needs an engine that can move a request "
+                         "between slots: --backend ort")
     sources = open_sources(name, engine, checkpoint, precision, None)
     on_gpu = name == "trt" or name == "torch" and not torch_on_cpu(sources, device, precision)  # its option rules too
     check_codec_precision(sources, device, codec_precision)
     tokenizer = load_tokenizer(sources)
     store = VoiceStore(voices_dir, tokenizer)  # every voice file checked before the server starts
     recipe = EngineRecipe(name, engine, checkpoint, device, precision, codec_precision, max_batch, prefix_cache,
-                          max_queue, (first_chunk, chunk, context, holdback, first_holdback))
+                          max_queue, lanes, realtime, (first_chunk, chunk, context, holdback, first_holdback))
     if cluster:
         engine_seam = cluster_engine(recipe, port, store.voices, tokenizer, timeout, on_gpu, given(ctx), replicas,
                                      min_replicas, max_replicas, target_streams, ray_address, replica_cpus,

@@ -125,10 +125,10 @@ class EngineThread(threading.Thread):
     """Opens the engine, then runs the scheduler loop and the jobs handed to it, all on this one thread."""
 
     def __init__(self, open_engine, open_encoder, tokenizer, voices: dict[str, Voice], max_queue: int,
-                 stream_plan=None):
+                 stream_plan=None, lanes: int | None = None, realtime: bool = False):
         super().__init__(name="higgs-engine", daemon=True)
         self.open_engine, self.open_encoder, self.tokenizer, self.voices = open_engine, open_encoder, tokenizer, voices
-        self.max_queue = max_queue
+        self.max_queue, self.lanes, self.realtime = max_queue, lanes, realtime  # the scheduler's (scheduler.py)
         self.stream_plan = stream_plan  # the codec's strides → the chunks' windows (None: exact, 8 frames then 25)
         self.engine = self.scheduler = self.encoder = self.spec = None
         self.no_encoder: str | None = None  # why reference audio cannot be encoded
@@ -175,7 +175,8 @@ class EngineThread(threading.Thread):
         encode = partial(encode_reference, encoder=self.encoder) if self.encoder is not None else None
         prepare_voices(self.voices, encode, self.no_encoder, self.spec, self.tokenizer)
         plan = self.stream_plan(self.engine.codec_strides) if self.stream_plan is not None else None
-        self.scheduler = Scheduler(self.engine, plan, max_queue=self.max_queue)
+        self.scheduler = Scheduler(self.engine, plan, max_queue=self.max_queue, lanes=self.lanes,
+                                   realtime=self.realtime)
         prompt = build_prompt(self.tokenizer, WARMUP_TEXT)
         warm = self.scheduler.submit(request_for(self.engine, prompt, Sampling(1.0), hard_cap=16))
         self.scheduler.run()
