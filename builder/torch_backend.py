@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from higgs_trt.runtime.gpu.codec import CodecDecoder
-from higgs_trt.runtime.scheduler import MIN_ROWS
+from higgs_trt.runtime.request import MIN_ROWS
 
 from .checkpoint import Checkpoint
 from .model import HiggsLM

@@ -61,7 +61,8 @@ def generate(engine, prompts: list[Prompt], sampling: Sampling = Sampling(), har
              plan=None) -> list[Result]:
     """Decode every prompt to the end (in flight together, as many as the engine has slots); audio is decoded
     through the same exact codec windows as streaming."""
-    from .scheduler import Scheduler, request_for
+    from .request import request_for
+    from .scheduler import Scheduler
 
     scheduler = Scheduler(engine, plan)
     requests = [scheduler.submit(request_for(engine, p, sampling, hard_cap)) for p in prompts]

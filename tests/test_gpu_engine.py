@@ -376,7 +376,8 @@ def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature,
     from higgs_trt.builder.torch_backend import bf16_reference
     from higgs_trt.calibration.calibrate import calibrate
     from higgs_trt.runtime.decoding import Sampling
-    from higgs_trt.runtime.scheduler import Scheduler, request_for
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
 
     amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
     engine = open_engine(tiny, amax=amax)
@@ -443,7 +444,8 @@ def test_the_prefix_cache_changes_no_code_and_a_hit_prefills_only_the_text(tiny,
     from higgs_trt.calibration.calibrate import calibrate
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.prompt import Prompt
-    from higgs_trt.runtime.scheduler import Scheduler, request_for
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
 
     amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
     engine = open_engine(tiny, amax=amax)
@@ -612,7 +614,8 @@ def test_paged_slots_decode_as_fixed_slots(tiny, temperature, precision):
     from higgs_trt.builder.torch_backend import bf16_reference
     from higgs_trt.calibration.calibrate import calibrate
     from higgs_trt.runtime.decoding import Sampling
-    from higgs_trt.runtime.scheduler import Scheduler, request_for
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
 
     amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
     texts = ["Hello there, how are you doing today?", "She sells sea shells.", "Numbers: one, two, three.",
@@ -653,7 +656,8 @@ def test_a_request_decodes_the_same_in_the_128_row_bucket(tiny):
     in two products of 64): the codes it decodes alone; its audio, decoded in codec calls of more than 64 windows (in
     pieces), within fp16's reach of its audio alone."""
     from higgs_trt.runtime.decoding import Sampling
-    from higgs_trt.runtime.scheduler import Scheduler, request_for
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
 
     engine = open_engine(tiny, max_batch=128)
     assert engine.buckets == [1, 2, 4, 8, 16, 32, 64, 128]

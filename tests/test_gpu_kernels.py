@@ -846,7 +846,8 @@ from higgs_trt.runtime.gpu.engine import GpuEngine
 from higgs_trt.runtime.config import lm_tensor_shapes
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
-from higgs_trt.runtime.scheduler import Scheduler, request_for
+from higgs_trt.runtime.request import request_for
+from higgs_trt.runtime.scheduler import Scheduler
 
 ckpt = Checkpoint(Path({str(tiny_ckpt)!r}))
 tensors = ckpt.take(lm_tensor_shapes(ckpt.config), "language model")

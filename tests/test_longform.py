@@ -9,7 +9,8 @@ from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.longform import Reference, Script, plan_text
 from higgs_trt.runtime.prompt import REF_AUDIO, HiggsTokenizer, build_prompt
-from higgs_trt.runtime.scheduler import Scheduler, request_for
+from higgs_trt.runtime.request import request_for
+from higgs_trt.runtime.scheduler import Scheduler
 from higgs_trt.runtime.streaming import StreamPlan
 
 SENTENCES = " ".join(f"Sentence {i} is here." for i in range(32))

@@ -9,7 +9,8 @@ from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
 from higgs_trt.runtime.realtime import HEADROOM, SWAP_MARGIN, StepTimes, deadline
-from higgs_trt.runtime.scheduler import QueueFull, Scheduler, request_for
+from higgs_trt.runtime.request import QueueFull, request_for
+from higgs_trt.runtime.scheduler import Scheduler
 
 TEXTS = ["Hello there, how are you?", "She sells sea shells.", "Numbers: one, two, three.", "Wait, what? No way!"]
 ROWS = 100

@@ -7,7 +7,8 @@ import pytest
 from higgs_trt.runtime.decoding import EOC, NUM_CODEBOOKS, Sampling
 from higgs_trt.runtime.generate import generate
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
-from higgs_trt.runtime.scheduler import MULTI_ROWS, QueueFull, Scheduler, request_for
+from higgs_trt.runtime.request import QueueFull, request_for
+from higgs_trt.runtime.scheduler import MULTI_ROWS, Scheduler
 from higgs_trt.runtime.stepper import HostStepper
 
 TEXTS = ["Hello there, how are you?", "She sells sea shells.", "Numbers: one, two, three.", "Wait, what? No way!"]

@@ -32,7 +32,8 @@ from higgs_trt.runtime.cli import main
 from higgs_trt.runtime.manifest import EngineDir
 from higgs_trt.runtime.options import sampling
 from higgs_trt.runtime.prompt import HiggsTokenizer, build_prompt
-from higgs_trt.runtime.scheduler import Scheduler, request_for
+from higgs_trt.runtime.request import request_for
+from higgs_trt.runtime.scheduler import Scheduler
 from higgs_trt.runtime.server.speech_api import MODEL_ID
 from higgs_trt.runtime.sinks import wav_header
 from higgs_trt.runtime.stepper import HostStepper

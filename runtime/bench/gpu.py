@@ -126,7 +126,8 @@ def bench_decode(engine: GpuEngine, prompt, batches=(1, 8, 64), rows: int = 250,
     GPU), audio-s/s of decode, and time to first audio of one stream (prefill, the rows of the first exact chunk,
     its codec window); the floor and peak GPU memory."""
     from higgs_trt.runtime.decoding import Sampling
-    from higgs_trt.runtime.scheduler import Scheduler, request_for
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
 
     bandwidth = copy_bandwidth()
     floor = weight_bytes(engine) / bandwidth * 1e3

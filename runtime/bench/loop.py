@@ -143,7 +143,8 @@ def bench_stream(engine, speech: Callable[[], tuple], concurrency: int, requests
     the stop rules are off here, so every level does the same work). All clients start at once, so their requests
     end and join together; with `stagger` client i starts after about i·rows/concurrency loop steps, so that requests
     end and join at different steps, as served traffic does."""
-    from higgs_trt.runtime.scheduler import Scheduler, request_for
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
 
     scheduler = Scheduler(engine, plan, lanes=lanes)
     done, arrivals = [], {}

@@ -56,7 +56,7 @@ def stalled_seconds(chunks: list[tuple[float, int]], buffer: float) -> float:
 def bench_realtime(scheduler, engine, prompt, rate: float, duration: float, rows: int, buffer: float,
                    seed: int = 0) -> RealtimeFigures:
     """Arrivals at `rate` a second for `duration` seconds (seeded), each a request of exactly `rows` rows."""
-    from higgs_trt.runtime.scheduler import QueueFull, request_for
+    from higgs_trt.runtime.request import QueueFull, request_for
 
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, size=max(1, int(rate * duration * 2) + 10)))

@@ -52,7 +52,7 @@ def speak_streamed(scheduler, engine, tokenizer, text, voice, chars_per_s, rows,
     """Feed `text` at `chars_per_s` into one request and step the loop until it is spoken. Returns the request, its
     chunks (arrival time, samples), the time each piece went in (by text offset), when each segment was cut and when
     each ended."""
-    from higgs_trt.runtime.scheduler import request_for
+    from higgs_trt.runtime.request import request_for
 
     script = Script(tokenizer, voice, None, engine.max_prompt, history)
     arrivals, fed, cut, ended = [], {}, [], []
@@ -90,7 +90,8 @@ def first_audio(arrivals: list, frame: int) -> int:
 
 def bench_text_rate(engine, tokenizer: HiggsTokenizer, text: str, voice: Reference, chars_per_s: float, rows: int,
                     sampling: Sampling, plan=None, history: int = 2) -> TextRateFigures:
-    from higgs_trt.runtime.scheduler import Scheduler, request_for
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
 
     scheduler = Scheduler(engine, plan)
     request, arrivals, fed, cut, ended = speak_streamed(scheduler, engine, tokenizer, text, voice, chars_per_s, rows,

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.decoding import HARD_CAP_ROWS
+from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.longform import DEFAULT_HISTORY
 
 from .options import (codec_precision_option, engine_source, given, max_seq_option, precision_option, say, stream_plan,
@@ -160,7 +160,8 @@ def run(ctx, text, text_file, out, engine, checkpoint, backend, device, precisio
     from higgs_trt.runtime.options import sampling, within
     from higgs_trt.runtime.outputs import write_file
     from higgs_trt.runtime.prompt import check_text, load_reference_codes
-    from higgs_trt.runtime.scheduler import MIN_ROWS, Scheduler, request_for
+    from higgs_trt.runtime.request import MIN_ROWS, request_for
+    from higgs_trt.runtime.scheduler import Scheduler
     from higgs_trt.runtime.sinks import PcmSink, WavSink
     from higgs_trt.runtime.wav import SAMPLE_RATE, write_wav
 

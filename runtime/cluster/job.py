@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from higgs_trt.runtime.errors import HiggsError, TextError
-from higgs_trt.runtime.scheduler import QueueFull
+from higgs_trt.runtime.request import QueueFull
 from higgs_trt.runtime.server.audio_queue import Cut
 from higgs_trt.runtime.server.speech_api import ApiError
 

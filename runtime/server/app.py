@@ -46,7 +46,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from higgs_trt.runtime.audio import load_reference_audio, reference_audio_from_bytes
 from higgs_trt.runtime.longform import Reference
-from higgs_trt.runtime.scheduler import QueueFull
+from higgs_trt.runtime.request import QueueFull
 from higgs_trt.runtime.sinks import wav_header
 from higgs_trt.runtime.wav import SAMPLE_RATE, pcm16
 

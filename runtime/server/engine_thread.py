@@ -37,7 +37,8 @@ from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.longform import Reference, Script, plan_text
 from higgs_trt.runtime.prompt import build_prompt
-from higgs_trt.runtime.scheduler import Scheduler, freeze_heap, request_for
+from higgs_trt.runtime.request import request_for
+from higgs_trt.runtime.scheduler import Scheduler, freeze_heap
 from higgs_trt.runtime.wav import NON_FINITE
 
 from .audio_queue import AudioQueue

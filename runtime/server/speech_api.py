@@ -31,7 +31,7 @@ from higgs_trt.runtime.errors import HiggsError, TextError
 from higgs_trt.runtime.longform import check_speakers
 from higgs_trt.runtime.options import sampling
 from higgs_trt.runtime.prompt import check_reference_codes, check_text
-from higgs_trt.runtime.scheduler import MIN_ROWS
+from higgs_trt.runtime.request import MIN_ROWS
 
 from .limits import MAX_INPUT_CHARS
 

@@ -29,7 +29,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from higgs_trt.runtime.decoding import SAMPLES_PER_FRAME
 from higgs_trt.runtime.errors import HiggsError
-from higgs_trt.runtime.scheduler import QueueFull
+from higgs_trt.runtime.request import QueueFull
 from higgs_trt.runtime.sinks import wav_header
 from higgs_trt.runtime.wav import SAMPLE_RATE, pcm16
 

@@ -22,7 +22,7 @@ from higgs_trt.runtime.errors import HiggsError
 from higgs_trt.runtime.inputs import CODES_BYTES, input_file
 from higgs_trt.runtime.outputs import write_file
 from higgs_trt.runtime.prompt import build_prompt, check_reference_codes, check_text, load_reference_codes
-from higgs_trt.runtime.scheduler import request_for
+from higgs_trt.runtime.request import request_for
 
 VOICE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
