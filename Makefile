@@ -28,8 +28,10 @@ demo: install
 	$(BIN)/higgs-trt build --checkpoint out/tiny-checkpoint --out engines/tiny --recipe tiny $(if $(TARGET),--target $(TARGET))
 	$(BIN)/higgs-trt run --engine engines/tiny --backend $(BACKEND) --text "$(DEMO_TEXT)" --out out/demo.wav
 
+# Test files spread over the CPUs (up to 4 workers), each file on one worker: its module fixtures built once there;
+# the session fixtures (tiny checkpoint, exported engines) are built once for all workers (tests/conftest.py).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 clean:
 	rm -rf out .pytest_cache

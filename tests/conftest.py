@@ -2,14 +2,29 @@ import shutil
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+
+def built_once(request, tmp_path_factory, name: str, build) -> Path:
+    """`build(directory)` once for the whole run: with several xdist workers (make test) the first to ask builds it in
+    the run's shared temporary directory while the others wait on a file lock, then every worker reads it."""
+    if not hasattr(request.config, "workerinput"):  # a single process
+        return build(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent
+    with FileLock(root / f"{name}.lock"):
+        done = root / f"{name}.path"
+        if not done.exists():
+            (root / name).mkdir()
+            done.write_text(str(build(root / name)))
+        return Path(done.read_text())
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
+def tiny_ckpt(request, tmp_path_factory) -> Path:
     """The built-in tiny checkpoint (sharded, as the real one may be). Treat as read-only."""
     from higgs_trt.builder.tiny import write_random_checkpoint
 
-    return write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+    return built_once(request, tmp_path_factory, "tiny", lambda d: write_random_checkpoint(d / "ckpt", seed=0))
 
 
 @pytest.fixture
@@ -18,14 +33,20 @@ def tiny_copy(tiny_ckpt, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
 
 
-@pytest.fixture(scope="session")
-def tiny_engine(tiny_ckpt, tmp_path_factory) -> Path:
-    """The tiny checkpoint exported with the native op path (small cache to keep ORT fast). Read-only."""
+def tiny_export(ckpt: Path, **options):
+    """export_engine of the tiny checkpoint into a directory given later, quietly, with tiny_engine's limits unless
+    `options` say otherwise."""
     from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.builder.export import export_engine
 
-    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("engine") / "tiny", max_seq=160, max_batch=4,
-                         max_prompt=96, say=lambda msg: None)
+    limits = {"max_seq": 160, "max_batch": 4, "max_prompt": 96, **options}
+    return lambda directory: export_engine(Checkpoint(ckpt), directory / "engine", say=lambda msg: None, **limits)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(request, tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny checkpoint exported with the native op path (small cache to keep ORT fast). Read-only."""
+    return built_once(request, tmp_path_factory, "engine", tiny_export(tiny_ckpt))
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +60,10 @@ def engine(tiny_engine):
 
 
 @pytest.fixture(scope="session")
-def serve_engine(tiny_ckpt, tmp_path_factory) -> Path:
+def serve_engine(request, tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny checkpoint with a longer cache than tiny_engine's, so a served request can outlast a disconnect and a
     long text's segments carry history. Read-only."""
-    from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.export import export_engine
-
-    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("serve") / "engine", max_seq=1024, max_batch=4,
-                         max_prompt=160, say=lambda msg: None)
+    return built_once(request, tmp_path_factory, "serve", tiny_export(tiny_ckpt, max_seq=1024, max_prompt=160))
 
 
 @pytest.fixture
@@ -56,35 +73,31 @@ def engine_copy(tiny_engine, tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_calibration(tiny_ckpt, tmp_path_factory) -> Path:
+def tiny_calibration(request, tiny_ckpt, tmp_path_factory) -> Path:
     from higgs_trt.builder.checkpoint import Checkpoint
     from higgs_trt.builder.torch_backend import bf16_reference
     from higgs_trt.calibration.calibrate import calibrate, write_calibration
 
-    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
-    write_calibration(calibrate(bf16_reference(Checkpoint(tiny_ckpt))), path)
-    return path
+    def build(directory: Path) -> Path:
+        write_calibration(calibrate(bf16_reference(Checkpoint(tiny_ckpt))), directory / "calibration.json")
+        return directory / "calibration.json"
+
+    return built_once(request, tmp_path_factory, "calibration", build)
 
 
 @pytest.fixture(scope="session")
-def tiny_fp8_engine(tiny_ckpt, tiny_calibration, tmp_path_factory) -> Path:
+def tiny_fp8_engine(request, tiny_ckpt, tiny_calibration, tmp_path_factory) -> Path:
     """The tiny checkpoint exported with FP8 Q/DQ graphs (same limits as tiny_engine). Read-only."""
-    from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.export import export_engine
-
-    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("engine8") / "tiny8", max_seq=160, max_batch=4,
-                         max_prompt=96, say=lambda msg: None, precision="fp8", calibration=tiny_calibration)
+    return built_once(request, tmp_path_factory, "engine8",
+                      tiny_export(tiny_ckpt, precision="fp8", calibration=tiny_calibration))
 
 
 @pytest.fixture(scope="session")
-def tiny_plugin_engine(tiny_ckpt, tmp_path_factory) -> Path:
+def tiny_plugin_engine(request, tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny checkpoint exported with the plugin op path (same limits as tiny_engine). Read-only."""
-    from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.export import export_engine
     from higgs_trt.builder.plugin_ops import PluginOps
 
-    return export_engine(Checkpoint(tiny_ckpt), tmp_path_factory.mktemp("engine_plugin") / "tinyp", max_seq=160, max_batch=4,
-                         max_prompt=96, ops=PluginOps, say=lambda msg: None)
+    return built_once(request, tmp_path_factory, "engine_plugin", tiny_export(tiny_ckpt, ops=PluginOps))
 
 
 LM_VARIANTS = [(ops, attention, precision) for ops, attention in (("native", "fused"), ("native", "matmul"),

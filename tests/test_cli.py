@@ -40,10 +40,10 @@ def test_tiny_checkpoint_then_torch_run_writes_a_wav(tiny_ckpt, tmp_path):
 
 
 def test_seeded_sampling_is_reproducible(tiny_ckpt, tmp_path):
-    runs = [higgs("run", "--checkpoint", tiny_ckpt, "--text", "Numbers 1 2 3.", "--out", tmp_path / f"{i}.wav",
-                  "--codes-out", tmp_path / f"{i}.npy", "--seed", seed, "--temperature", "1.0", "--top-k", "50")
+    runs = [higgs_in_process("run", "--checkpoint", tiny_ckpt, "--text", "Numbers 1 2 3.", "--out", tmp_path / f"{i}.wav",
+                             "--codes-out", tmp_path / f"{i}.npy", "--seed", seed, "--temperature", "1.0", "--top-k", "50")
             for i, seed in enumerate([7, 7, 8])]
-    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
     a, b, c = (np.load(tmp_path / f"{i}.npy") for i in range(3))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
@@ -118,8 +118,8 @@ def test_help_lists_commands():
 @pytest.mark.parametrize("command, args", [("kernels", ()), ("linear", ()), ("attention", ()), ("profile", ()),
                                            ("codec", ("--checkpoint", "ckpt"))])
 def test_gpu_benchmarks_without_a_gpu_are_refused_in_one_line(command, args):
-    r = higgs("bench", command, *args)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    r = higgs_in_process("bench", command, *args)
+    assert r.exit_code == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == f"Error: bench {command} needs torch built with CUDA and an NVIDIA GPU"
 
 

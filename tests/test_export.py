@@ -141,10 +141,8 @@ def test_hand_edited_manifest_is_refused(engine_copy):
         EngineDir(engine_copy)
 
 
-def test_swapped_or_missing_files_are_refused(engine_copy, tmp_path):
-    other = export_engine(Checkpoint(write_random_checkpoint(tmp_path / "o", seed=1)), tmp_path / "oe", max_seq=160, max_batch=4,
-                          max_prompt=96, say=lambda m: None)
-    (engine_copy / "weights.bin").write_bytes((other / "weights.bin").read_bytes())
+def test_swapped_or_missing_files_are_refused(engine_copy, tiny_fp8_engine, tmp_path):
+    (engine_copy / "weights.bin").write_bytes((tiny_fp8_engine / "weights.bin").read_bytes())  # another export's
     with pytest.raises(HiggsError, match="weights.bin does not match the manifest"):
         EngineDir(engine_copy)
     (engine_copy / "weights.bin").unlink()
