@@ -131,16 +131,16 @@ def test_a_request_that_would_push_the_others_under_real_time_is_refused(engine,
     assert late.finished and late.error is None
 
 
-@pytest.mark.parametrize("chunks, stalled", [
-    ([(0.0, 2400), (0.05, 2400), (0.15, 2400)], 0.0),  # each tenth of a second arrives before it is needed
-    ([(0.0, 2400), (0.05, 2400), (0.5, 2400)], 0.3),  # ran dry at 0.2 s, the buffer full again at 0.5 s
-    ([(0.0, 1200), (0.3, 1200), (0.35, 2400)], 0.0),  # plays from 0.3 s (the 100 ms buffer): waiting to start is no stall
-    ([(0.0, 2400), (0.4, 1200)], 0.3),  # dry at 0.1 s; the last 50 ms end the utterance: it plays at once, short of a buffer
+@pytest.mark.parametrize("chunks, stalled, ends", [
+    ([(0.0, 2400), (0.05, 2400), (0.15, 2400)], 0.0, 0.3),  # each tenth of a second arrives before it is needed
+    ([(0.0, 2400), (0.05, 2400), (0.5, 2400)], 0.3, 0.6),  # ran dry at 0.2 s, the buffer full again at 0.5 s
+    ([(0.0, 1200), (0.3, 1200), (0.35, 2400)], 0.0, 0.5),  # plays from 0.3 s (the 100 ms buffer): waiting is no stall
+    ([(0.0, 2400), (0.4, 1200)], 0.3, 0.45),  # dry at 0.1 s; the last 50 ms end the utterance: played at once
 ])
-def test_a_listener_stalls_when_playback_runs_past_what_has_arrived(chunks, stalled):
-    from higgs_trt.runtime.bench.realtime import stalled_seconds
+def test_a_listener_stalls_when_playback_runs_past_what_has_arrived(chunks, stalled, ends):
+    from higgs_trt.runtime.bench.loop import playback
 
-    assert stalled_seconds(chunks, buffer=0.1) == pytest.approx(stalled)
+    assert playback(chunks, buffer=0.1) == pytest.approx((stalled, ends))
 
 
 def test_bench_stream_realtime_reports_each_rate_and_the_largest_without_a_stall(tiny_engine):

@@ -11,6 +11,9 @@ import numpy as np
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.generate import generate
 from higgs_trt.runtime.prompt import Prompt
+from higgs_trt.runtime.wav import SAMPLE_RATE
+
+STALL_BUFFER_S = 0.1  # the client buffer of the continuity figure
 
 
 class TimedEngine:
@@ -105,6 +108,13 @@ class StreamFigures:
     codec_windows: int = 0
     server_ms: tuple | None = None  # bench serve, at the server: mean admission, then mean submission → first chunk
     label: str = ""  # what the level ran, where a bench runs several kinds side by side
+    stalls_s: list | None = None  # per request: seconds a 1× listener with a STALL_BUFFER_S buffer spends stalled
+
+    def continuity(self) -> str:
+        """As SGLang-Omni reports it: the share of requests whose playback never stalls, and the p95 stall."""
+        stalls = np.array(self.stalls_s or [0.0])
+        return (f"continuity {(stalls == 0).mean():.1%} never stalled ({1e3 * STALL_BUFFER_S:.0f} ms buffer), "
+                f"p95 stall {1e3 * np.percentile(stalls, 95):.0f} ms")
 
     def line(self) -> str:
         ttfa = np.array(self.ttfa_ms)
@@ -112,6 +122,8 @@ class StreamFigures:
                 f"requests, {self.audio_s:7.1f} s of audio in {self.wall_s:6.2f} s = "
                 f"{self.audio_s / self.wall_s:7.1f} audio-s/s; first audio p50 {np.percentile(ttfa, 50):6.1f} ms, "
                 f"p95 {np.percentile(ttfa, 95):6.1f} ms, mean {ttfa.mean():6.1f} ms; underruns {self.underruns}")
+        if self.stalls_s is not None:
+            line += "; " + self.continuity()
         if self.queue_wait_ms is not None:
             line += f"; queue wait mean {self.queue_wait_ms:.1f} ms"
         if self.server_ms is not None:
@@ -122,6 +134,29 @@ class StreamFigures:
         if self.codec_calls:
             line += f"; {self.codec_calls} codec calls of {self.codec_windows / self.codec_calls:.1f} windows"
         return line
+
+
+def playback(chunks: list[tuple[float, int]], buffer: float, per_second: int = SAMPLE_RATE) -> tuple[float, float]:
+    """(seconds stalled, when playback ends) for a 1× listener given (arrival time, samples or bytes: `per_second` of
+    them a second) pieces: it starts playing once `buffer` seconds have arrived (or all of it, if shorter), stalls
+    when it reaches the end of what has arrived before the utterance is complete, and plays again once the buffer is
+    full again; a stall lasts from the moment it ran dry to then."""
+    total = sum(n for _, n in chunks) / per_second
+    received = played_at_start = 0.0
+    playing_since = ran_dry = None
+    stalled = 0.0
+    for at, n in chunks:
+        if playing_since is not None and playing_since + received - played_at_start < at:
+            ran_dry = playing_since + received - played_at_start
+            playing_since, played_at_start = None, received
+        received += n / per_second
+        if playing_since is None and (received - played_at_start >= buffer or received >= total - 1e-9):
+            if ran_dry is not None:
+                stalled += at - ran_dry
+                ran_dry = None
+            playing_since = at
+    ends = playing_since + received - played_at_start if playing_since is not None else (chunks[-1][0] if chunks else 0.0)
+    return stalled, ends
 
 
 def underruns(arrivals: list[tuple[float, int]], per_second: int = 24000) -> int:
@@ -176,9 +211,10 @@ def bench_stream(engine, speech: Callable[[], tuple], concurrency: int, requests
         steps += 1
     wall = time.perf_counter() - t0
     late = sum(underruns(arrivals.get(id(r), [])) for r in done)
+    stalls = [playback(arrivals[id(r)], STALL_BUFFER_S)[0] for r in done if id(r) in arrivals]
     audio = sum(n for r in done for _, n in arrivals.get(id(r), []))
     ttfa = [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at]
     waits = [1e3 * (r.admitted_at - r.submitted_at) for r in done if r.admitted_at is not None]
     return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, late, dict(scheduler.seconds),
                          float(np.mean(waits)) if waits else None, scheduler.codec_calls, scheduler.codec_windows,
-                         label=label)
+                         label=label, stalls_s=stalls)

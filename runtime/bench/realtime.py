@@ -14,6 +14,8 @@ import numpy as np
 from higgs_trt.runtime.decoding import Sampling
 from higgs_trt.runtime.wav import SAMPLE_RATE
 
+from .loop import playback
+
 
 @dataclass
 class RealtimeFigures:
@@ -23,34 +25,19 @@ class RealtimeFigures:
     audio_s: float
     stalled_s: list  # per request
     ttfa_ms: list
-    mean_streams: float
+    mean_streams: float  # requests holding a slot, time-averaged
+    listeners: float  # listeners from their request to the end of their playback, time-averaged
+    kv_mib: float | None = None  # cache a request held, mean (engines that report it)
 
     def line(self) -> str:
         stalled = np.array(self.stalled_s or [0.0])
         ttfa = np.array(self.ttfa_ms or [0.0])
-        return (f"{self.rate:g} arrivals/s: {self.requests} requests ({self.refused} refused), mean streams "
-                f"{self.mean_streams:.1f}; stall share {stalled.sum() / max(self.audio_s, 1e-9):.2%}, stalled requests "
+        return (f"{self.rate:g} arrivals/s: {self.requests} requests ({self.refused} refused), mean listeners "
+                f"{self.listeners:.1f}, in slots {self.mean_streams:.1f}"
+                + (f" holding {self.kv_mib:.0f} MiB of cache each" if self.kv_mib is not None else "") + "; stall share "
+                f"{stalled.sum() / max(self.audio_s, 1e-9):.2%}, stalled requests "
                 f"{int((stalled > 0).sum())}, p95 stall {1e3 * np.percentile(stalled, 95):.0f} ms; first audio p50 "
                 f"{np.percentile(ttfa, 50):.1f} ms, p95 {np.percentile(ttfa, 95):.1f} ms")
-
-
-def stalled_seconds(chunks: list[tuple[float, int]], buffer: float) -> float:
-    """Seconds a 1× listener with a `buffer`-second buffer spends stalled, given (arrival time, samples) chunks."""
-    total = sum(n for _, n in chunks) / SAMPLE_RATE
-    received = played_at_start = 0.0
-    playing_since = ran_dry = None
-    stalled = 0.0
-    for at, n in chunks:
-        if playing_since is not None and playing_since + received - played_at_start < at:
-            ran_dry = playing_since + received - played_at_start
-            playing_since, played_at_start = None, received
-        received += n / SAMPLE_RATE
-        if playing_since is None and (received - played_at_start >= buffer or received >= total - 1e-9):
-            if ran_dry is not None:
-                stalled += at - ran_dry
-                ran_dry = None
-            playing_since = at
-    return stalled
 
 
 def bench_realtime(scheduler, engine, prompt, rate: float, duration: float, rows: int, buffer: float,
@@ -82,7 +69,19 @@ def bench_realtime(scheduler, engine, prompt, rate: float, duration: float, rows
     wall = time.perf_counter() - t0
     lived = sum(r.finished_at - r.admitted_at for r in done if r.admitted_at is not None)
     audio = sum(n for r in done for _, n in chunks.get(id(r), [])) / SAMPLE_RATE
-    return RealtimeFigures(rate, len(done), refused, audio,
-                           [stalled_seconds(chunks[id(r)], buffer) for r in done if id(r) in chunks],
+    heard = {id(r): playback(chunks[id(r)], buffer) for r in done if id(r) in chunks}
+    span = max([wall] + [ends - t0 for _, ends in heard.values()])
+    listened = sum(heard[id(r)][1] - r.submitted_at for r in done if id(r) in heard)
+    return RealtimeFigures(rate, len(done), refused, audio, [stalled for stalled, _ in heard.values()],
                            [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at],
-                           lived / wall)
+                           lived / wall, listened / span, cache_mib(engine, len(prompt) + rows))
+
+
+def cache_mib(engine, positions: int) -> float | None:
+    """MiB of KV cache a request of `positions` holds: whole pages where the engine pages its cache (the GPU engine),
+    else None (the other engines give every slot max_seq positions)."""
+    kv = getattr(engine, "kv", None)
+    if kv is None:
+        return None
+    pages = -(-min(positions, kv.max_seq) // kv.page)
+    return pages * kv.page * kv.pool.nbytes / (kv.pages * kv.page) / (1 << 20)

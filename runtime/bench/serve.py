@@ -4,7 +4,8 @@ Closed-loop clients over HTTP (aiohttp): `concurrency` requests in flight, each 
 `requests` have finished. Each streams pcm (`stream_format: audio`), with its own seed and at most `max_new_tokens`
 decode steps. Per level: audio seconds received / wall time (audio-s/s), time to first audio from sending the
 request to the first audio byte (p50 / p95 / mean), and underruns (pieces that arrived after the audio before them
-would have finished playing, the first excepted). One warm-up request runs first. From the server's /metrics, read
+would have finished playing, the first excepted), and continuity as SGLang-Omni reports it: the share of requests
+whose playback at 1× with a 100 ms client buffer never stalls, and the p95 stall. One warm-up request runs first. From the server's /metrics, read
 before and after each level: where its engine thread spent the level (the scheduler loop's phases), how many
 prefill calls the joins took, how long requests waited for a slot (submission → the prefill call that took them:
 part of their first audio), and at the server their mean admission (the handler's start → submission: body, parsing,
@@ -28,7 +29,7 @@ from higgs_trt.runtime.scheduler import PHASES
 from higgs_trt.runtime.server.speech_api import MODEL_ID
 from higgs_trt.runtime.wav import SAMPLE_RATE
 
-from .loop import StreamFigures, underruns
+from .loop import STALL_BUFFER_S, StreamFigures, playback, underruns
 
 BYTES_PER_SECOND = 2 * SAMPLE_RATE  # pcm: s16le mono
 WAIT_REPORT_S = 30.0  # how often a wait for the server's /health says that it goes on
@@ -66,8 +67,9 @@ async def _level(url: str, concurrency: int, requests: int, body, headers: dict)
     ttfa = [1e3 * t for t, _, e in results if t is not None and not e]
     audio_bytes = sum(n for _, arrivals, _ in results for _, n in arrivals)
     late = sum(underruns(arrivals, BYTES_PER_SECOND) for _, arrivals, _ in results)
+    stalls = [playback(arrivals, STALL_BUFFER_S, BYTES_PER_SECOND)[0] for _, arrivals, e in results if arrivals and not e]
     return StreamFigures(concurrency, len(results) - len(errors), audio_bytes / BYTES_PER_SECOND, wall, ttfa or [0.0],
-                         late), errors
+                         late, stalls_s=stalls), errors
 
 
 LOOP_METRIC = re.compile(r'^higgs_(engine_loop_seconds|prefill_calls|codec_calls|codec_windows|'
