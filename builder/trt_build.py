@@ -161,7 +161,7 @@ def build_engines(engine_dir: Path, manifest: dict, lm_graph: str, target: str |
     limits = manifest["limits"]
     engines = {}
     plugins = manifest["ops"] == "plugin"
-    registered = register_plugins(trt, engine_dir, manifest, target) if plugins else None
+    registered = register_plugins(trt, engine_dir, manifest, target) if plugins else None  # alive until the builds end
     plans = [("lm", lm_graph, lm_ranges(limits)), ("codec", "codec", codec_ranges(limits))]
     if "codec_encoder" in manifest["graphs"]:
         plans.append(("codec_encoder", "codec_encoder", encoder_ranges(manifest["graphs"]["codec_encoder"]["geometry"])))
