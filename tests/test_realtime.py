@@ -2,6 +2,8 @@
 streams than decoded slots, the streams closest to a stall are decoded first and none starves; a request's codes do
 not depend on when its rows were decoded; a request that would push the others under real time is refused."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -154,6 +156,7 @@ def test_bench_stream_realtime_reports_each_rate_and_the_largest_without_a_stall
     lines = result.stdout.splitlines()
     assert [line.split(" arrivals/s")[0] for line in lines[:2]] == ["1", "3"]
     assert "stall share" in lines[0] and "first audio p50" in lines[1]
+    assert all(float(re.search(r"mean listeners ([\d.]+)", line)[1]) > 0 for line in lines[:2]), result.output
     assert lines[2].startswith(("largest rate with no stall", "every rate stalled"))
 
 

@@ -3,8 +3,9 @@ at 1× once it holds a buffer of it; how often and how long they stall, and how 
 
 A listener starts playing when `buffer` seconds of audio have arrived (or the whole utterance, if shorter). It stalls
 when playback reaches the end of what has arrived before the utterance is complete, and plays again once the buffer
-is full again; the stall lasts from the moment it ran dry to then. Mean streams is the time-average of the requests
-holding a slot (from admission to their last audio, over the level's wall time)."""
+is full again; the stall lasts from the moment it ran dry to then (loop.playback). Listeners is the time-average of the
+requests from submission to the end of their playback: the concurrent real-time streams. Mean streams is the
+time-average of the requests holding a slot (admission to their last audio), fewer where decoding runs ahead of 1×."""
 
 import time
 from dataclasses import dataclass

@@ -230,10 +230,10 @@ def realtime_levels(model, plan, lanes, prompt, rates, duration, rows, buffer) -
         figures = bench_realtime(scheduler, model, prompt, rate, duration, rows, buffer)
         click.echo(figures.line())
         if not any(figures.stalled_s):
-            clean.append((rate, figures.mean_streams))
+            clean.append((rate, figures.listeners))
     if clean:
         rate, streams = max(clean)
-        click.echo(f"largest rate with no stall: {rate:g} arrivals/s, {streams:.1f} real-time streams on average")
+        click.echo(f"largest rate with no stall: {rate:g} arrivals/s, {streams:.1f} real-time listeners on average")
     else:
         click.echo("every rate stalled some listener")
 
