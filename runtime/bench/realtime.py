@@ -84,5 +84,4 @@ def cache_mib(engine, positions: int) -> float | None:
     kv = getattr(engine, "kv", None)
     if kv is None:
         return None
-    pages = -(-min(positions, kv.max_seq) // kv.page)
-    return pages * kv.page * kv.pool.nbytes / (kv.pages * kv.page) / (1 << 20)
+    return kv.pages_for(positions) * kv.pool.nbytes / kv.pages / (1 << 20)

@@ -48,6 +48,10 @@ class KvPages:
     def pages(self) -> int:
         return self.pool.shape[2]
 
+    def pages_for(self, positions: int) -> int:
+        """Pages a slot holding `positions` (at most max_seq) takes."""
+        return -(-min(positions, self.max_seq) // self.page)
+
     def capacity(self, slot: int) -> int:
         """Positions the slot's pages hold (its writes stay below: advance_slots saturates there)."""
         return min(len(self.held[slot]) * self.page, self.max_seq)
@@ -56,7 +60,7 @@ class KvPages:
         """The slot holds pages for `positions` (at most max_seq) instead of what it held; False, holding none, if
         the free pages are too few."""
         self.release(slot)
-        need = -(-min(positions, self.max_seq) // self.page)
+        need = self.pages_for(positions)
         if need > len(self.free):
             return False
         self.held[slot] = [self.free.pop() for _ in range(need)]
