@@ -28,8 +28,7 @@ import numpy as np
 from . import extras
 from .errors import HiggsError
 from .resample import resample
-
-SAMPLE_RATE = 24000  # the codec's rate (acoustic branch)
+from .wav import SAMPLE_RATE  # the codec's rate (acoustic branch)
 SEMANTIC_RATE = 16000  # HuBERT's rate
 SEMANTIC_PAD = 160  # zeros each side of the 16 kHz signal (transformers' encode)
 MIN_SECONDS, MAX_SECONDS = 1.0, 30.0

@@ -90,7 +90,7 @@ def run_bench(engine, prompts: list[Prompt], sampling: Sampling, repeats: int = 
                             1e3 * sum(timed.times["prefill"]) / len(prompts),
                             1e3 * steps[len(steps) // 2] if steps else 0.0,
                             1e3 * (total - engine_s) / rows, 1e3 * sum(timed.times["codec"]),
-                            sum(len(r.audio) for r in results) / 24000, total))
+                            sum(len(r.audio) for r in results) / SAMPLE_RATE, total))
     return sorted(runs, key=lambda f: f.total_s)[len(runs) // 2]  # the median run
 
 
@@ -155,11 +155,11 @@ def playback(chunks: list[tuple[float, int]], buffer: float, per_second: int = S
                 stalled += at - ran_dry
                 ran_dry = None
             playing_since = at
-    ends = playing_since + received - played_at_start if playing_since is not None else (chunks[-1][0] if chunks else 0.0)
+    ends = playing_since + received - played_at_start if chunks else 0.0  # the last piece always starts playback
     return stalled, ends
 
 
-def underruns(arrivals: list[tuple[float, int]], per_second: int = 24000) -> int:
+def underruns(arrivals: list[tuple[float, int]], per_second: int = SAMPLE_RATE) -> int:
     """Chunks (arrival time, samples or bytes: `per_second` of them a second) that arrived after the audio sent
     before them had finished playing, the clock starting at the first chunk's arrival."""
     late, played = 0, 0
@@ -215,6 +215,6 @@ def bench_stream(engine, speech: Callable[[], tuple], concurrency: int, requests
     audio = sum(n for r in done for _, n in arrivals.get(id(r), []))
     ttfa = [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at]
     waits = [1e3 * (r.admitted_at - r.submitted_at) for r in done if r.admitted_at is not None]
-    return StreamFigures(concurrency, len(done), audio / 24000, wall, ttfa, late, dict(scheduler.seconds),
+    return StreamFigures(concurrency, len(done), audio / SAMPLE_RATE, wall, ttfa, late, dict(scheduler.seconds),
                          float(np.mean(waits)) if waits else None, scheduler.codec_calls, scheduler.codec_windows,
                          label=label, stalls_s=stalls)

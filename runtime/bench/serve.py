@@ -5,12 +5,12 @@ Closed-loop clients over HTTP (aiohttp): `concurrency` requests in flight, each 
 decode steps. Per level: audio seconds received / wall time (audio-s/s), time to first audio from sending the
 request to the first audio byte (p50 / p95 / mean), and underruns (pieces that arrived after the audio before them
 would have finished playing, the first excepted), and continuity as SGLang-Omni reports it: the share of requests
-whose playback at 1× with a 100 ms client buffer never stalls, and the p95 stall. One warm-up request runs first. From the server's /metrics, read
-before and after each level: where its engine thread spent the level (the scheduler loop's phases), how many
-prefill calls the joins took, how long requests waited for a slot (submission → the prefill call that took them:
-part of their first audio), and at the server their mean admission (the handler's start → submission: body, parsing,
-prompt) and first audio after it (submission → the first chunk handed to the event loop): the rest of the client's
-figure is HTTP, the event loop and the client.
+whose playback at 1× with a 100 ms client buffer never stalls, and the p95 stall. One warm-up request runs first.
+From the server's /metrics, read before and after each level: where its engine thread spent the level (the scheduler
+loop's phases), how many prefill calls the joins took, how long requests waited for a slot (submission → the prefill
+call that took them: part of their first audio), and at the server their mean admission (the handler's start →
+submission: body, parsing, prompt) and first audio after it (submission → the first chunk handed to the event loop):
+the rest of the client's figure is HTTP, the event loop and the client.
 
 A cluster (`serve --cluster`) is measured the same way: its /metrics carries each replica's figures under a replica
 label, summed here over the replicas. Several servers (`--url` again) are measured level by level, one after another,
