@@ -196,10 +196,41 @@ def open_engine(ckpt_dir, max_batch=8, amax=None, cache_pages=None):
     return load_gpu_engine(source, max_seq=512, max_batch=max_batch, max_prompt=128, act_amax=amax, cache_gib=gib)
 
 
+def fp8_amax(ckpt_dir):
+    """FP8 activation scales calibrated on the GPU from the checkpoint's BF16 reference, as `run --precision fp8`."""
+    from higgs_trt.builder.checkpoint import Checkpoint
+    from higgs_trt.builder.torch_backend import bf16_reference
+    from higgs_trt.calibration.calibrate import calibrate
+
+    return calibrate(bf16_reference(Checkpoint(ckpt_dir), "cuda"))["activation_amax"]
+
+
+def samplings(temperature, n):
+    """Request i's sampling: greedy, or top-k 50 and top-p 0.95 at `temperature`; seed i."""
+    from higgs_trt.runtime.decoding import Sampling
+
+    return [Sampling(temperature, top_k=50 if temperature else 0, top_p=0.95 if temperature else 1.0, seed=i)
+            for i in range(n)]
+
+
+def join_mid_flight(engine, ps, sampling):
+    """ps[1:] decode together for 7 steps, then ps[0] joins their batch; (the joined request, the others), all run
+    to their end."""
+    from higgs_trt.runtime.request import request_for
+    from higgs_trt.runtime.scheduler import Scheduler
+
+    mixed = Scheduler(engine)
+    others = [mixed.submit(request_for(engine, p, s, hard_cap=120)) for p, s in zip(ps[1:], sampling[1:])]
+    for _ in range(7):
+        mixed.step()
+    joined = mixed.submit(request_for(engine, ps[0], sampling[0], hard_cap=120))
+    mixed.run()
+    return joined, others
+
+
 def slot_cache(engine, slot, n):
     """The slot's first n positions [layers, K/V, Hkv, n, D], read through its page table."""
-    kv = engine.kv
-    pages = kv.pool.index_select(2, kv.table[slot, :-(-n // kv.page)].long())
+    pages = engine.kv.take(slot, n)
     layers, _, count, heads, page, d = pages.shape
     return pages.permute(0, 1, 3, 2, 4, 5).reshape(layers, 2, heads, count * page, d)[:, :, :, :n]
 
@@ -372,31 +403,21 @@ def test_a_request_decodes_the_same_alone_and_joining_a_batch(tiny, temperature,
     """A request prefills from the captured graph of one prompt alone and when it joins a batch mid-flight (whose 7
     requests prefilled together from the graph of 8, one empty prompt filling it up), and from the graph of 8 in the
     middle of a group of 8: the same codes each time."""
-    from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.torch_backend import bf16_reference
-    from higgs_trt.calibration.calibrate import calibrate
-    from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.request import request_for
     from higgs_trt.runtime.scheduler import Scheduler
 
-    amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
+    amax = fp8_amax(tiny) if precision == "fp8" else None
     engine = open_engine(tiny, amax=amax)
     texts = ["Hello there, how are you doing today?", "She sells sea shells by the sea shore.",
              "Numbers: one, two, three.", "Wait... what? No way!", "A journey of a thousand miles.",
              "It was 3:45 pm on March 14.", "Text to speech.", "Can you call me back?"]
     ps = prompts(tiny, texts)
-    sampling = [Sampling(temperature, top_k=50 if temperature else 0, top_p=0.95 if temperature else 1.0, seed=i)
-                for i in range(len(ps))]
+    sampling = samplings(temperature, len(ps))
     alone = Scheduler(engine)
     solo = alone.submit(request_for(engine, ps[0], sampling[0], hard_cap=120))
     alone.run()
 
-    mixed = Scheduler(engine)
-    others = [mixed.submit(request_for(engine, p, s, hard_cap=120)) for p, s in zip(ps[1:], sampling[1:])]
-    for _ in range(7):  # the batch is mid-flight when the request joins
-        mixed.step()
-    joined = mixed.submit(request_for(engine, ps[0], sampling[0], hard_cap=120))
-    mixed.run()
+    joined, others = join_mid_flight(engine, ps, sampling)
     assert np.array_equal(np.stack(solo.utterance.rows), np.stack(joined.utterance.rows))
     # windows may share a codec call, and its fp16 roundings depend on the call's window count (cuDNN's algorithms)
     a, b = solo.audio(), joined.audio()
@@ -439,15 +460,12 @@ def test_the_prefix_cache_changes_no_code_and_a_hit_prefills_only_the_text(tiny,
     request decodes the same codes with the cache off, cold (a miss: the whole prompt's graph) and warm (a hit: the
     graph of the rows past the reference part, and no compile), and joining mid-flight a batch of 7 whose requests
     are in that voice (hits) or zero-shot."""
-    from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.torch_backend import bf16_reference
-    from higgs_trt.calibration.calibrate import calibrate
     from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.prompt import Prompt
     from higgs_trt.runtime.request import request_for
     from higgs_trt.runtime.scheduler import Scheduler
 
-    amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
+    amax = fp8_amax(tiny) if precision == "fp8" else None
     engine = open_engine(tiny, amax=amax)
     texts = ["Hello there, how are you doing today?", "She sells sea shells.", "Numbers: one, two, three.",
              "Wait... what? No way!", "A journey of a thousand miles.", "It was 3:45 pm.", "Text to speech.",
@@ -456,8 +474,7 @@ def test_the_prefix_cache_changes_no_code_and_a_hit_prefills_only_the_text(tiny,
     ps = cloned + prompts(tiny, texts[5:])
     n = cloned[0].prefix
     assert len(ps[0]) <= engine.max_prompt and all(p.prefix_key == cloned[0].prefix_key for p in cloned)
-    sampling = [Sampling(temperature, top_k=50 if temperature else 0, top_p=0.95 if temperature else 1.0, seed=i)
-                for i in range(len(ps))]
+    sampling = samplings(temperature, len(ps))
 
     engine.prefixes.entries = 0
     part = Prompt(ps[0].input_ids[:n], ps[0].audio_rows[:n], ps[0].is_audio[:n], 0)
@@ -492,12 +509,7 @@ def test_the_prefix_cache_changes_no_code_and_a_hit_prefills_only_the_text(tiny,
     assert engine.prefixes.hits == 1 and replayed[-1] == ("prompt", 1, bucket(len(ps[0]) - n))
     assert np.array_equal(off, cold) and np.array_equal(off, warm)
 
-    mixed = Scheduler(engine)
-    others = [mixed.submit(request_for(engine, p, s, hard_cap=120)) for p, s in zip(ps[1:], sampling[1:])]
-    for _ in range(7):  # the batch is mid-flight when the request joins
-        mixed.step()
-    joined = mixed.submit(request_for(engine, ps[0], sampling[0], hard_cap=120))
-    mixed.run()
+    joined, others = join_mid_flight(engine, ps, sampling)
     torch.cuda.synchronize()
     assert compiled_variants() == before
     assert engine.prefixes.hits == 1 + 4 + 1 and np.array_equal(off, np.stack(joined.utterance.rows))
@@ -610,20 +622,15 @@ def test_paged_slots_decode_as_fixed_slots(tiny, temperature, precision):
     paged cache of 10 pages (pages handed out in a random order) that holds two of them at a time: the others wait
     for pages, not slots, and join mid-flight into pages that others released, their voice's reference part from
     the prefix cache. Every request's codes are the same, and no join compiles anything."""
-    from higgs_trt.builder.checkpoint import Checkpoint
-    from higgs_trt.builder.torch_backend import bf16_reference
-    from higgs_trt.calibration.calibrate import calibrate
-    from higgs_trt.runtime.decoding import Sampling
     from higgs_trt.runtime.request import request_for
     from higgs_trt.runtime.scheduler import Scheduler
 
-    amax = calibrate(bf16_reference(Checkpoint(tiny), "cuda"))["activation_amax"] if precision == "fp8" else None
+    amax = fp8_amax(tiny) if precision == "fp8" else None
     texts = ["Hello there, how are you doing today?", "She sells sea shells.", "Numbers: one, two, three.",
              "Wait... what? No way!", "A journey of a thousand miles.", "It was 3:45 pm.", "Text to speech.",
              "Can you call me back?"]
     ps = cloned_prompts(tiny, texts[:5], 40, "Words of the reference.") + prompts(tiny, texts[5:])
-    sampling = [Sampling(temperature, top_k=50 if temperature else 0, top_p=0.95 if temperature else 1.0, seed=i)
-                for i in range(len(ps))]
+    sampling = samplings(temperature, len(ps))
 
     def decoded(engine, check=lambda scheduler: None):
         scheduler = Scheduler(engine)
