@@ -28,7 +28,7 @@ class RealtimeFigures:
     ttfa_ms: list
     mean_streams: float  # requests holding a slot, time-averaged
     listeners: float  # listeners from their request to the end of their playback, time-averaged
-    kv_mib: float | None = None  # cache a request held, mean (engines that report it)
+    kv_mib: float | None = None  # cache each request holds (engines that page their cache)
 
     def line(self) -> str:
         stalled = np.array(self.stalled_s or [0.0])
@@ -44,7 +44,7 @@ class RealtimeFigures:
 def bench_realtime(scheduler, engine, prompt, rate: float, duration: float, rows: int, buffer: float,
                    seed: int = 0) -> RealtimeFigures:
     """Arrivals at `rate` a second for `duration` seconds (seeded), each a request of exactly `rows` rows."""
-    from higgs_trt.runtime.request import QueueFull, request_for
+    from higgs_trt.runtime.request import QueueFull, request_for, segment_rows
 
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, size=max(1, int(rate * duration * 2) + 10)))
@@ -75,12 +75,13 @@ def bench_realtime(scheduler, engine, prompt, rate: float, duration: float, rows
     listened = sum(heard[id(r)][1] - r.submitted_at for r in done if id(r) in heard)
     return RealtimeFigures(rate, len(done), refused, audio, [stalled for stalled, _ in heard.values()],
                            [1e3 * (r.first_audio_at - r.submitted_at) for r in done if r.first_audio_at],
-                           lived / wall, listened / span, cache_mib(engine, len(prompt) + rows))
+                           lived / wall, listened / span,
+                           cache_mib(engine, len(prompt) + segment_rows(engine, prompt, rows)))
 
 
 def cache_mib(engine, positions: int) -> float | None:
-    """MiB of KV cache a request of `positions` holds: whole pages where the engine pages its cache (the GPU engine),
-    else None (the other engines give every slot max_seq positions)."""
+    """MiB of KV cache a request reserving `positions` (its prompt and row cap: Scheduler._admit) holds: whole pages
+    where the engine pages its cache (the GPU engine), else None (the other engines give every slot max_seq)."""
     kv = getattr(engine, "kv", None)
     if kv is None:
         return None
